@@ -1,0 +1,26 @@
+"""Strict test environment: 8 simulated CPU devices, rank promotion raises."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def _has_gpu() -> bool:
+  try:
+    return any(d.platform == "gpu" for d in jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+  if _has_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU; the same behaviour is covered on CPU")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)

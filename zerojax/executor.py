@@ -1,0 +1,215 @@
+"""The one executor: a train step driven by a `Plan` (DESIGN.md, "gradient flow for a plan").
+
+Per step, inside one `jax.shard_map` over the ("node", "gpu") mesh:
+
+0. gather the fp32 master shard (over A_os) into the parameter shard (over A_p), cast to the param dtype;
+1. every micro-batch: forward and backward through the model's ZeRO units, each reducing its layer's
+   gradient over A_g inside the backward pass; accumulate the G shard;
+2. at the accumulation boundary: reduce-scatter over A_os \\ A_g, then all-reduce over the replica axes
+   D \\ A_os (MiCS's 2-hop synchronisation, AMSP's T_os);
+3. outside the shard_map, on sharded global arrays under `jit`: any elementwise optax transformation
+   updates the master weights and optimizer states, so global reductions such as
+   `clip_by_global_norm` are correct without hand-written collectives. A step whose loss or gradients
+   are not finite is skipped (state unchanged) and counted.
+
+References:
+  ZeRO: Rajbhandari et al. 2020, §5. MiCS: Zhang et al. 2022, §3.3. AMSP: Chen et al. 2023, §3.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import layout as layout_lib
+from zerojax.plan import Plan
+from zerojax.unit import ShardedUnit, UnitMeta
+
+
+class Model(NamedTuple):
+  """A model written as ZeRO units.
+
+  Attributes:
+    init: `rng -> params`, a dict `{unit_name: pytree}` of logical parameters.
+    loss: `(params, tokens) -> scalar` mean loss of a micro-batch; calls `zerojax.unit(f)(params[u], ...)`
+      for every unit `u`, and `lax.scan` over the scanned units.
+    scanned: names of the units whose leaves have a leading layer axis.
+  """
+  init: Callable[[jax.Array], dict]
+  loss: Callable[[dict, jax.Array], jax.Array]
+  scanned: frozenset = frozenset()
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any            # fp32 master weights: flat padded leaves sharded over A_os
+  opt_state: Any         # optimizer states, sharded like the master weights
+  skipped: jax.Array     # steps skipped for non-finite loss or gradients (total)
+
+
+class StepMetrics(NamedTuple):
+  loss: jax.Array
+  grad_norm: jax.Array
+  finite: jax.Array
+
+
+class Executor:
+  """Builds the sharded train state and the jitted train step of a model under a plan.
+
+  Args:
+    model: the model, written as ZeRO units.
+    optimizer: an elementwise optax `GradientTransformation` (see `check_elementwise`).
+    plan: the sharding plan.
+    mesh: the ("node", "gpu") mesh.
+    accum_steps: micro-batches per optimizer step (gradient accumulation).
+    pad_multiple: leaves are padded to a multiple of (devices x pad_multiple).
+  """
+
+  def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
+               accum_steps: int = 1, pad_multiple: int = 1):
+    plan.validate(mesh)
+    if accum_steps < 1:
+      raise ValueError(f"accum_steps={accum_steps} must be at least 1")
+    self.model, self.optimizer, self.plan, self.mesh = model, optimizer, plan, mesh
+    self.accum_steps = accum_steps
+    self.data_axes = tuple(mesh.axis_names)
+    self.world = mesh.size
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    if not isinstance(shapes, dict):
+      raise TypeError(f"model.init must return a dict of units, got {type(shapes).__name__}")
+    self.layout = layout_lib.make_layout(shapes, model.scanned, mesh.size * pad_multiple)
+    self.param_specs = layout_lib.specs(self.layout, plan.opt_order)
+    sizes = tuple(zip(mesh.axis_names, mesh.devices.shape))
+    self._metas = {}
+    tree = self.layout.tree()
+    for u in tree:
+      leaves, treedef = jax.tree.flatten(tree[u], is_leaf=lambda x: isinstance(x, layout_lib.LeafLayout))
+      self._metas[u] = UnitMeta(plan, sizes, treedef, tuple(leaves))
+    self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
+    self._step = None
+
+  # -- state -----------------------------------------------------------------------------------------
+  def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
+    """NamedShardings of every field of the train state."""
+    state_shapes = state_shapes or jax.eval_shape(self._init_from_flat, self._flat_shapes())
+    params = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs)
+    rep = NamedSharding(self.mesh, P())
+    by_ndim = {1: NamedSharding(self.mesh, P(self.plan.opt_order or None)),
+               2: NamedSharding(self.mesh, P(None, self.plan.opt_order or None))}
+    opt = jax.tree.map(lambda x: rep if x.ndim == 0 else by_ndim[x.ndim], state_shapes.opt_state)
+    return TrainState(step=rep, params=params, opt_state=opt, skipped=rep)
+
+  def _flat_shapes(self):
+    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(((l.layers,) if l.layers else ()) + (l.padded,),
+                                                       jnp.float32),
+                        self.layout.tree(), is_leaf=lambda x: isinstance(x, layout_lib.LeafLayout))
+
+  def _init_from_flat(self, flat):
+    check_elementwise(self.optimizer, flat)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=self.optimizer.init(flat),
+                      skipped=jnp.zeros((), jnp.int32))
+
+  def init(self, rng: jax.Array) -> TrainState:
+    """Initialises the model and optimizer directly into the plan's sharded layout."""
+    return self.init_from_params(jax.jit(self.model.init)(rng))
+
+  def init_from_params(self, params: dict) -> TrainState:
+    """Shards logical params (the model's own shapes) and initialises the optimizer."""
+    flat = layout_lib.to_flat(params, self.layout, self.mesh, self.plan.opt_order)
+    return jax.jit(self._init_from_flat, out_shardings=self.shardings())(flat)
+
+  def logical_params(self, state: TrainState) -> dict:
+    """The master weights in the model's own shapes, without padding (for evaluation or export)."""
+    return layout_lib.to_logical(state.params, self.layout)
+
+  # -- the step --------------------------------------------------------------------------------------
+  def _units(self, p_shards: dict, sinks: dict) -> dict:
+    return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), self._metas[u])
+            for u in p_shards}
+
+  def _param_shards(self, master):
+    """Step 0: master shard over A_os -> parameter shard over A_p, in the param dtype."""
+    to_p = self.plan.opt_order[len(self.plan.param_axes):]
+    cast = lambda m: m.astype(self.plan.param_dtype)
+    if not to_p:
+      return jax.tree.map(cast, master)
+    return jax.tree.map(lambda m: lax.all_gather(cast(m), to_p, axis=m.ndim - 1, tiled=True), master)
+
+  def _local_grads(self, master, batch):
+    """shard_map body: master shard (over A_os) and local batch -> reduced gradient shard, mean loss."""
+    plan = self.plan
+    p_shards = self._param_shards(master)
+    k_g = math.prod(dict(zip(self.mesh.axis_names, self.mesh.devices.shape))[a] for a in plan.grad_axes)
+    zeros_g = jax.tree.map(
+        lambda l: jnp.zeros(((l.layers,) if l.layers else ()) + (l.padded // k_g,), plan.reduce_dtype),
+        self.layout.tree(), is_leaf=lambda x: isinstance(x, layout_lib.LeafLayout))
+
+    def micro(acc, tokens):
+      loss, g = jax.value_and_grad(lambda s: self.model.loss(self._units(p_shards, s), tokens))(zeros_g)
+      return jax.tree.map(jnp.add, acc, g), loss
+
+    acc, losses = lax.scan(micro, zeros_g, batch)
+    to_os = plan.opt_order[len(plan.grad_order):]
+    if to_os:
+      acc = jax.tree.map(lambda g: lax.psum_scatter(g, to_os, scatter_dimension=g.ndim - 1, tiled=True), acc)
+    replicas = plan.replica_axes(self.mesh)
+    if replicas:
+      acc = jax.tree.map(lambda g: lax.psum(g, replicas), acc)
+    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
+    acc = jax.tree.map(lambda g: g / (self.world * self.accum_steps), acc)
+    loss = lax.pmean(jnp.mean(losses), self.data_axes)
+    return acc, loss
+
+  def _train_step(self, state: TrainState, batch: jax.Array):
+    grads, loss = jax.shard_map(
+        self._local_grads, mesh=self.mesh,
+        in_specs=(self.param_specs, P(None, self.data_axes)),
+        out_specs=(self.param_specs, P()), check_vma=False)(state.params, batch)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new = TrainState(step=state.step + 1, params=keep(params, state.params),
+                     opt_state=keep(opt_state, state.opt_state),
+                     skipped=state.skipped + (~finite).astype(jnp.int32))
+    return new, StepMetrics(loss, grad_norm, finite)
+
+  def step_fn(self, state_shardings: TrainState | None = None):
+    """The jitted `(state, batch[accum, global_batch, seq + 1]) -> (state, StepMetrics)`; donates state."""
+    if self._step is None:
+      sh = state_shardings or self.shardings()
+      self._step = jax.jit(self._train_step, in_shardings=(sh, self.batch_sharding),
+                           out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0)
+    return self._step
+
+  def eval_fn(self):
+    """Jitted mean loss of a batch `[global_batch, seq + 1]` (forward only)."""
+    def local(master, tokens):
+      shards = self._param_shards(master)
+      return lax.pmean(self.model.loss(self._units(shards, shards), tokens), self.data_axes)
+    return jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(self.data_axes)),
+                                 out_specs=P(), check_vma=False))
+
+
+def check_elementwise(optimizer: optax.GradientTransformation, flat_params) -> None:
+  """Rejects optimizers whose state is not elementwise (e.g. adafactor's factored moments).
+
+  On flat padded shards, a factored second moment would be computed over the wrong axes, so every
+  non-scalar optimizer-state leaf must have the shape of a parameter leaf.
+  """
+  shapes = {tuple(x.shape) for x in jax.tree.leaves(flat_params)}
+  state = jax.eval_shape(optimizer.init, flat_params)
+  for path, x in jax.tree_util.tree_leaves_with_path(state):
+    if x.ndim and tuple(x.shape) not in shapes:
+      raise ValueError(
+          f"optimizer state leaf {jax.tree_util.keystr(path)} has shape {tuple(x.shape)}, which is not the "
+          "shape of any flat parameter shard: factored optimizers (adafactor, ...) are not valid on ZeRO's "
+          "flat shards; use an elementwise one (adamw, lion, sgd, ...)")

@@ -1,0 +1,111 @@
+"""Parameter layout: flat, zero-padded leaves sharded on their last axis.
+
+DESIGN.md, "Parameter layout". A model's parameters are a dict of *units* (one gather and one gradient
+reduction each, FSDP's "unit"); a scanned unit's leaves carry a leading layer axis. Each leaf is
+flattened and zero-padded to a multiple of (all devices x quantization block), giving a global array
+`[padded]` (or `[layers, padded]`) whose last axis is split into one contiguous chunk per device of the
+sharding axes: device (n, g) owns chunk `n * G + g` of a leaf sharded over ("node", "gpu"), so a tiled
+all-gather returns the leaf in its original order. The padding is zeros and stays zeros: its gradient
+is zero, so it never reaches the optimizer's statistics or the loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+  """Logical shape of one leaf (without the layer axis) and its padded flat length."""
+  shape: tuple[int, ...]
+  padded: int
+  layers: int | None = None  # length of the leading layer axis of a scanned unit
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Layouts of every leaf of a params dict `{unit_name: pytree}`; hashable, so usable as static data."""
+  treedef: Any
+  leaves: tuple[LeafLayout, ...]
+
+  def tree(self):
+    return jax.tree.unflatten(self.treedef, self.leaves)
+
+
+def make_layout(params: dict, scanned: frozenset[str] | set[str], multiple: int) -> Layout:
+  """Builds the layout of `params` (arrays or ShapeDtypeStructs) padded to a multiple of `multiple`."""
+  unknown = set(scanned) - set(params)
+  if unknown:
+    raise ValueError(f"scanned units {sorted(unknown)} are not keys of the params dict {sorted(params)}")
+
+  def leaf(path, x, is_scanned):
+    shape = tuple(x.shape[1:] if is_scanned else x.shape)
+    name = jax.tree_util.keystr(path)
+    if is_scanned and x.ndim == 0:
+      raise ValueError(f"leaf {name} of a scanned unit has no leading layer axis")
+    if math.prod(shape) == 0:
+      raise ValueError(f"model leaf {name} has shape {tuple(x.shape)} with zero elements; remove it from the "
+                       "params or give it a non-zero size")
+    padded = -(-math.prod(shape) // multiple) * multiple
+    return LeafLayout(shape, padded, x.shape[0] if is_scanned else None)
+
+  tree = {u: jax.tree_util.tree_map_with_path(lambda p, x, s=u in scanned: leaf((jax.tree_util.DictKey(u),) + p, x, s),
+                                              params[u]) for u in params}
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, LeafLayout))
+  return Layout(treedef, tuple(leaves))
+
+
+def _is_layout(x) -> bool:
+  return isinstance(x, LeafLayout)
+
+
+def flatten_leaf(x: jax.Array, lay: LeafLayout) -> jax.Array:
+  """Logical leaf -> flat zero-padded `[padded]` (or `[layers, padded]`)."""
+  lead = () if lay.layers is None else (lay.layers,)
+  flat = x.reshape(lead + (lay.size,))
+  pad = [(0, 0)] * len(lead) + [(0, lay.padded - lay.size)]
+  return jnp.pad(flat, pad)
+
+
+def unflatten_leaf(flat: jax.Array, lay: LeafLayout) -> jax.Array:
+  """Flat padded leaf -> logical shape (drops the padding)."""
+  lead = () if lay.layers is None else (lay.layers,)
+  return flat[..., :lay.size].reshape(lead + lay.shape)
+
+
+def spec(lay: LeafLayout, axes: tuple[str, ...]) -> P:
+  """PartitionSpec of a flat leaf sharded over `axes` on its last axis."""
+  last = axes if axes else None
+  return P(None, last) if lay.layers is not None else P(last)
+
+
+def specs(layout: Layout, axes: tuple[str, ...]):
+  return jax.tree.map(lambda l: spec(l, axes), layout.tree(), is_leaf=_is_layout)
+
+
+def to_flat(params: dict, layout: Layout, mesh: Mesh, axes: tuple[str, ...], dtype=jnp.float32) -> dict:
+  """Logical params -> flat padded global arrays sharded over `axes`."""
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(layout, axes))
+  fn = lambda p: jax.tree.map(lambda x, l: flatten_leaf(x.astype(dtype), l), p, layout.tree())
+  return jax.jit(fn, out_shardings=shardings)(params)
+
+
+def to_logical(flat: dict, layout: Layout) -> dict:
+  """Flat padded params -> logical params (a plain pytree of the model's shapes), e.g. for export."""
+  return jax.jit(lambda f: jax.tree.map(unflatten_leaf, f, layout.tree()))(flat)
+
+
+def bytes_of(layout: Layout, dtype) -> int:
+  """Total padded bytes of all leaves in `dtype`."""
+  item = np.dtype(dtype).itemsize
+  return sum(l.padded * (l.layers or 1) * item for l in layout.leaves)

@@ -1,0 +1,69 @@
+"""The ("node", "gpu") device mesh, for one process or one process per node.
+
+Every plan in zerojax is a choice of axes of this mesh (DESIGN.md). The `node` axis is the slow one
+(inter-node links); `gpu` enumerates the devices inside a node. Device (n, g) is at `mesh.devices[n, g]`.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+AXES = ("node", "gpu")
+
+
+def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *, devices=None) -> Mesh:
+  """Builds the `("node", "gpu")` mesh.
+
+  With several processes (one per host, `jax.process_count() > 1`) the node axis is the process axis
+  and `gpu` enumerates each process's local devices; `num_nodes` must then equal the process count.
+  With one process, `num_nodes` x `gpus_per_node` local devices are arranged node-major.
+
+  Args:
+    num_nodes: number of nodes; defaults to the process count (1 for a single process).
+    gpus_per_node: devices per node; defaults to all devices divided by `num_nodes`.
+    devices: devices to use (default `jax.devices()`).
+
+  Returns:
+    A `jax.sharding.Mesh` with axes `("node", "gpu")`.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  nprocs = len({d.process_index for d in devices})
+  if num_nodes is None:
+    num_nodes = nprocs
+  if num_nodes < 1 or (gpus_per_node is not None and gpus_per_node < 1):
+    raise ValueError(f"num_nodes={num_nodes} and gpus_per_node={gpus_per_node} must be positive")
+  if len(devices) % num_nodes:
+    raise ValueError(f"{len(devices)} devices cannot form {num_nodes} nodes of equal size; "
+                     f"use a number of nodes that divides {len(devices)}")
+  if gpus_per_node is None:
+    gpus_per_node = len(devices) // num_nodes
+  if num_nodes * gpus_per_node != len(devices):
+    raise ValueError(f"a mesh of {num_nodes} nodes x {gpus_per_node} gpus needs {num_nodes * gpus_per_node} "
+                     f"devices, but {len(devices)} are available; set gpus_per_node={len(devices) // num_nodes}")
+  devices.sort(key=lambda d: (d.process_index, d.id))
+  if nprocs > 1 and num_nodes != nprocs:
+    raise ValueError(f"with {nprocs} processes the node axis is the process axis: num_nodes must be "
+                     f"{nprocs}, got {num_nodes}")
+  return Mesh(np.array(devices, dtype=object).reshape(num_nodes, gpus_per_node), AXES)
+
+
+def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+  """Starts JAX's distributed runtime: one process per node (NCCL on GPU, gloo on CPU).
+
+  With no arguments, `jax.distributed.initialize` detects SLURM, Open MPI and similar launchers. On CPU
+  the cross-process collectives go through gloo over TCP.
+  """
+  if num_processes == 1 and coordinator is None:
+    return
+  explicit = (coordinator, num_processes, process_id)
+  if any(a is not None for a in explicit) and not all(a is not None for a in explicit):
+    raise ValueError("--coordinator, --num_processes and --process_id go together (got "
+                     f"{coordinator!r}, {num_processes!r}, {process_id!r}); give all three or none")
+  if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                             process_id=process_id)

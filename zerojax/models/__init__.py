@@ -1,0 +1,1 @@
+"""Models written as ZeRO units."""

@@ -1,0 +1,124 @@
+"""A plan: which mesh axes shard each model-state component, and how each collective is done.
+
+DESIGN.md, "a plan is a choice of mesh axes". The named strategies are constructors of one `Plan`
+value driving one executor (`zerojax.executor`):
+
+| plan    | params A_p   | grads A_g    | optimizer states A_os | replica sync            |
+|---------|--------------|--------------|-----------------------|-------------------------|
+| DP      | ()           | ()           | ()                    | all-reduce over D       |
+| ZeRO-1  | ()           | ()           | (node, gpu)           | reduce-scatter          |
+| ZeRO-2  | ()           | (node, gpu)  | (node, gpu)           | -                       |
+| ZeRO-3  | (node, gpu)  | (node, gpu)  | (node, gpu)           | -                       |
+| MiCS    | (gpu,)       | (gpu,)       | (gpu,)                | all-reduce over node    |
+
+References:
+  ZeRO: Rajbhandari et al. 2020, §5 (stages 1-3).
+  MiCS: Zhang et al. 2022, §3.1 (partition groups), §3.3 (2-hop gradient synchronisation).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from zerojax.mesh import AXES
+
+
+def _axes(axes: Sequence[str] | str) -> tuple[str, ...]:
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How model states are sharded and communicated.
+
+  Attributes:
+    name: label used in logs and reports.
+    param_axes: A_p, mesh axes the parameters (P) are sharded over between layers.
+    grad_axes: A_g ⊇ A_p, mesh axes the accumulated gradient (G) is sharded over.
+    opt_axes: A_os ⊇ A_g, mesh axes the fp32 master weights and optimizer states are sharded over.
+    param_dtype: dtype of the parameters on the wire and in compute (bf16 = mixed precision).
+    reduce_dtype: dtype gradients are reduced and accumulated in (fp32).
+  """
+  name: str = "zero3"
+  param_axes: tuple[str, ...] = AXES
+  grad_axes: tuple[str, ...] = AXES
+  opt_axes: tuple[str, ...] = AXES
+  param_dtype: str = "bfloat16"
+  reduce_dtype: str = "float32"
+
+  def __post_init__(self):
+    for f in ("param_axes", "grad_axes", "opt_axes"):
+      object.__setattr__(self, f, _axes(getattr(self, f)))
+    p, g, os_ = set(self.param_axes), set(self.grad_axes), set(self.opt_axes)
+    for f in ("param_axes", "grad_axes", "opt_axes"):
+      axes = getattr(self, f)
+      if len(set(axes)) != len(axes):
+        raise ValueError(f"plan {self.name!r}: {f}={axes} repeats an axis")
+    if not p <= g <= os_:
+      raise ValueError(f"plan {self.name!r}: shard axes must nest, params {self.param_axes} ⊆ grads "
+                       f"{self.grad_axes} ⊆ optimizer states {self.opt_axes}; a component cannot be "
+                       "sharded over an axis its successor is replicated over")
+    for f in ("param_dtype", "reduce_dtype"):
+      try:
+        jnp.dtype(getattr(self, f))
+      except TypeError:
+        raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)!r} is not a dtype name "
+                         "(use 'float32' or 'bfloat16')") from None
+
+  def validate(self, mesh: Mesh) -> None:
+    """Raises if the plan names an axis the mesh does not have."""
+    for f in ("param_axes", "grad_axes", "opt_axes"):
+      for a in getattr(self, f):
+        if a not in mesh.axis_names:
+          raise ValueError(f"plan {self.name!r}: {f} names axis {a!r}, but the mesh has axes "
+                           f"{tuple(mesh.axis_names)}")
+
+  # Axis orders: each component's axes start with those of the component it is gathered into, so that
+  # a tiled all-gather over the difference of axes returns the coarser shard in its original order.
+  @property
+  def grad_order(self) -> tuple[str, ...]:
+    return self.param_axes + tuple(a for a in self.grad_axes if a not in self.param_axes)
+
+  @property
+  def opt_order(self) -> tuple[str, ...]:
+    return self.grad_order + tuple(a for a in self.opt_axes if a not in self.grad_axes)
+
+  def replica_axes(self, mesh: Mesh) -> tuple[str, ...]:
+    """Axes the optimizer states are replicated over: gradients are all-reduced over them."""
+    return tuple(a for a in mesh.axis_names if a not in self.opt_axes)
+
+
+def dp(**kw) -> Plan:
+  """Data parallelism: everything replicated, one dense gradient all-reduce per step."""
+  return Plan(name="dp", param_axes=(), grad_axes=(), opt_axes=(), **kw)
+
+
+def zero1(**kw) -> Plan:
+  """ZeRO stage 1 (ZeRO §5.1): optimizer states sharded over all devices."""
+  return Plan(name="zero1", param_axes=(), grad_axes=(), opt_axes=AXES, **kw)
+
+
+def zero2(**kw) -> Plan:
+  """ZeRO stage 2 (ZeRO §5.2): gradients reduce-scattered per layer, optimizer states sharded."""
+  return Plan(name="zero2", param_axes=(), grad_axes=AXES, opt_axes=AXES, **kw)
+
+
+def zero3(**kw) -> Plan:
+  """ZeRO stage 3 (ZeRO §5.3): parameters, gradients and optimizer states sharded over all devices."""
+  return Plan(name="zero3", param_axes=AXES, grad_axes=AXES, opt_axes=AXES, **kw)
+
+
+def mics(**kw) -> Plan:
+  """MiCS with the partition group = one node (MiCS §3.1, §3.3).
+
+  Model states are sharded over `gpu` inside each node and replicated over `node`; gradients are
+  reduce-scattered inside the node every micro-step and all-reduced across nodes once per
+  accumulation window (the 2-hop synchronisation).
+  """
+  return Plan(name="mics", param_axes=("gpu",), grad_axes=("gpu",), opt_axes=("gpu",), **kw)
+
+
+PLANS = {"dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "mics": mics}
