@@ -172,7 +172,7 @@ class Executor:
         self._local_grads, mesh=self.mesh,
         in_specs=(self.param_specs, P(None, self.data_axes)),
         out_specs=(self.param_specs, P()), check_vma=False)(state.params, batch)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -1,0 +1,53 @@
+"""Shared fixtures for the executor tests: a tiny GPT, a reference single-device trainer."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zerojax.models.gpt import GPTConfig, gpt
+from zerojax.optim import decay_mask
+
+TINY = GPTConfig(seq_len=16, d_model=32, num_heads=2, num_layers=2)
+
+
+def tiny_gpt():
+  return gpt(TINY)
+
+
+def optimizer(kind="adamw"):
+  if kind == "adamw":  # eps well above fp32 reassociation noise of near-zero gradients
+    opt = optax.adamw(1e-3, eps=1e-6, weight_decay=0.1, mask=decay_mask)
+  elif kind == "lion":
+    opt = optax.lion(1e-4, weight_decay=0.1, mask=decay_mask)
+  else:
+    opt = optax.sgd(0.1, momentum=0.9)
+  return optax.chain(optax.clip_by_global_norm(1.0), opt)
+
+
+def batches(n=3, accum=2, batch=16, seq=TINY.seq_len, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, (accum, batch, seq + 1)).astype(np.int32) for _ in range(n)]
+
+
+def reference_train(model, opt, params, batches):
+  """Plain single-device jax.grad + the same optax optimizer on the same global batches."""
+  def loss(p, b):  # mean over micro-batches of the mean over each global micro-batch
+    return jnp.mean(jax.vmap(lambda t: model.loss(p, t))(b))
+
+  @jax.jit
+  def step(p, o, b):
+    l, g = jax.value_and_grad(loss)(p, b)
+    u, o = opt.update(g, o, p)
+    return optax.apply_updates(p, u), o, l
+
+  o, losses = opt.init(params), []
+  for b in batches:
+    params, o, l = step(params, o, b)
+    losses.append(float(l))
+  return params, losses
+
+
+def max_rel_diff(a, b):
+  """Largest |a - b| / max|b| over the leaves of two pytrees."""
+  return max(jax.tree.leaves(jax.tree.map(
+      lambda x, y: float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-12)), a, b)))

@@ -1,0 +1,7 @@
+"""Registers the plan constructors with gin, so configs can say `train.plan = @zero3()`."""
+import gin
+
+from zerojax import plan
+
+for _name, _fn in plan.PLANS.items():
+  gin.external_configurable(_fn, name=_name)

@@ -1,0 +1,49 @@
+"""Per-device bytes of model state under a plan: P/s_p + G/s_g + OS/s_os (ZeRO §5, AMSP §3.2).
+
+`expected` follows from the plan and the padded layout alone; `measured` reads the shards of a live
+train state (master weights and optimizer states) on one device, so the two can be checked against
+each other.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from zerojax import layout as layout_lib
+from zerojax.executor import Executor, TrainState
+
+
+def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
+  """Bytes per device of parameters, gradients and optimizer states (master weights included).
+
+  Args:
+    ex: the executor (plan, mesh, layout).
+    state: a live train state; when given, the optimizer-state bytes are measured from its shards.
+
+  Returns:
+    `{"expected": {...}, "measured": {...}}` in bytes per device; `measured` only with `state`.
+  """
+  sizes = dict(zip(ex.mesh.axis_names, ex.mesh.devices.shape))
+  s = lambda axes: math.prod(sizes[a] for a in axes)
+  plan = ex.plan
+  numel = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves)
+  opt_shapes = jax.eval_shape(ex.optimizer.init, ex._flat_shapes())
+  opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_shapes) if x.ndim)
+  expected = {
+      "params": layout_lib.bytes_of(ex.layout, plan.param_dtype) // s(plan.param_axes),
+      "grads": numel * np.dtype(plan.reduce_dtype).itemsize // s(plan.grad_axes),
+      "master": numel * 4 // s(plan.opt_axes),
+      "optimizer": opt_bytes // s(plan.opt_axes),
+      "param_shard_degree": s(plan.param_axes), "grad_shard_degree": s(plan.grad_axes),
+      "opt_shard_degree": s(plan.opt_axes), "numel_padded": numel,
+  }
+  expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer"))
+  report = {"plan": plan.name, "expected": expected}
+  if state is not None:
+    dev = ex.mesh.devices.flat[0]
+    on_dev = lambda tree: sum(sh.data.nbytes for x in jax.tree.leaves(tree) if x.ndim
+                              for sh in x.addressable_shards if sh.device == dev)
+    report["measured"] = {"master": on_dev(state.params), "optimizer": on_dev(state.opt_state)}
+  return report

@@ -1,0 +1,39 @@
+"""Optimizers for flat ZeRO shards: optax chains with decoupled weight decay masked by leaf name."""
+from __future__ import annotations
+
+import gin
+import jax
+import optax
+
+# Leaves whose name ends with one of these get weight decay; biases and LayerNorm scales do not.
+DECAYED = ("kernel", "wte", "wpe", "w_out")
+
+
+def decay_mask(params) -> dict:
+  """True for leaves whose last path element names a matrix (see `DECAYED`)."""
+  def is_decayed(path, _):
+    last = path[-1]
+    name = str(getattr(last, "key", getattr(last, "name", last)))
+    return name in DECAYED
+  return jax.tree_util.tree_map_with_path(is_decayed, params)
+
+
+@gin.configurable
+def make_optimizer(name: str = "adamw", learning_rate: float = 3e-3, warmup_steps: int = 20,
+                   total_steps: int = 200, weight_decay: float = 0.1, clip_norm: float | None = 1.0,
+                   b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
+  """Builds `clip_by_global_norm -> {adamw|lion|sgd}` with a warmup-cosine schedule.
+
+  Every transformation here is elementwise, so it is valid on ZeRO's flat padded shards.
+  """
+  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
+                                                max(total_steps, warmup_steps + 1), learning_rate * 0.1)
+  if name == "adamw":
+    opt = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask)
+  elif name == "lion":
+    opt = optax.lion(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask)
+  elif name == "sgd":
+    opt = optax.chain(optax.add_decayed_weights(weight_decay, mask=decay_mask), optax.sgd(schedule, momentum=b1))
+  else:
+    raise ValueError(f"optimizer {name!r} is not known; use 'adamw', 'lion' or 'sgd'")
+  return optax.chain(optax.clip_by_global_norm(clip_norm), opt) if clip_norm else opt

@@ -1,0 +1,114 @@
+"""The training loop behind `train.py`: gin-configured, multi-host aware, with progress and metrics."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import gin
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+from zerojax import data as data_lib
+from zerojax.executor import Executor
+from zerojax.mesh import make_mesh
+from zerojax.models.gpt import GPTConfig, gpt
+from zerojax.optim import make_optimizer
+from zerojax.plan import Plan, zero3
+
+
+@gin.configurable
+def model_config(vocab_size: int = 256, seq_len: int = 128, d_model: int = 128, num_heads: int = 4,
+                 num_layers: int = 4, mlp_ratio: int = 4) -> GPTConfig:
+  return GPTConfig(vocab_size, seq_len, d_model, num_heads, num_layers, mlp_ratio)
+
+
+class NonFiniteError(RuntimeError):
+  pass
+
+
+@gin.configurable(denylist=["workdir", "data"])
+def train(workdir: str, data: str | None = None, *, plan: Plan = gin.REQUIRED, steps: int = 200,
+          batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
+          eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
+          max_consecutive_skips: int = 5, max_data_bytes: int = 64 * 2**20, pad_multiple: int = 256,
+          progress: bool = True) -> dict:
+  """Trains the GPT model on byte-level text under `plan` and writes metrics to `workdir`.
+
+  Args:
+    workdir: output folder: `metrics.jsonl` (one object per logged step) and `summary.json`.
+    data: a text file or folder; default the running Python's standard library sources.
+    plan: the sharding plan (`@zero3()`, `@mics()`, ... in gin).
+    steps: optimizer steps.
+    batch_size: global micro-batch size (sequences), divisible by the number of devices.
+    accum_steps: micro-batches per optimizer step.
+    num_nodes: nodes of the mesh (default: the number of processes).
+    eval_every: steps between evaluations of the held-out loss (0: only at the end).
+    max_consecutive_skips: stop after this many steps in a row with non-finite loss or gradients.
+    pad_multiple: leaves are padded to a multiple of devices x this (the quantization block).
+
+  Returns:
+    The summary dict also written to `summary.json`.
+  """
+  cfg = model_config()
+  mesh = make_mesh(num_nodes)
+  if batch_size % mesh.size:
+    raise ValueError(f"global batch size {batch_size} is not divisible by the {mesh.size} devices of the "
+                     f"mesh; use a multiple of {mesh.size}")
+  dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes)
+  ex = Executor(gpt(cfg), make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
+                pad_multiple=pad_multiple)
+  state = ex.init(jax.random.key(seed))
+  step_fn, eval_fn = ex.step_fn(), ex.eval_fn()
+  eval_sharding = NamedSharding(mesh, P(ex.data_axes))
+  held_out = [data_lib.device_put_batch(b, eval_sharding) for b in data_lib.eval_batches(
+      dataset.eval, num_batches=eval_batches, batch_size=batch_size, seq_len=cfg.seq_len)]
+  evaluate = lambda st: float(np.mean([float(eval_fn(st.params, b)) for b in held_out]))
+
+  lead = jax.process_index() == 0
+  if lead:
+    os.makedirs(workdir, exist_ok=True)
+    log = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    print(f"zerojax: plan={plan.name} mesh={dict(mesh.shape)} data={dataset.source}", flush=True)
+  tokens_per_step = batch_size * accum_steps * cfg.seq_len
+  bar = tqdm(total=steps, disable=not (lead and progress), dynamic_ncols=True)
+  in_a_row, times, first_loss, loss, eval_loss = 0, [], None, float("nan"), None
+  start_step = int(state.step)
+  for step in range(start_step, steps):
+    batch = data_lib.global_batch(dataset.train, step, accum_steps=accum_steps, batch_size=batch_size,
+                                  seq_len=cfg.seq_len, seed=seed)
+    batch = data_lib.device_put_batch(batch, ex.batch_sharding)
+    t0 = time.perf_counter()
+    state, metrics = step_fn(state, batch)
+    loss, finite = float(metrics.loss), bool(metrics.finite)
+    dt = time.perf_counter() - t0
+    if step > start_step:  # the first step includes compilation
+      times.append(dt)
+    in_a_row = 0 if finite else in_a_row + 1
+    if in_a_row >= max_consecutive_skips:
+      raise NonFiniteError(f"{in_a_row} steps in a row had non-finite loss or gradients (last at step "
+                           f"{step}, loss={loss}); lower the learning rate or check the data")
+    first_loss = loss if first_loss is None and finite else first_loss
+    eval_loss = evaluate(state) if (eval_every and (step + 1) % eval_every == 0) or step + 1 == steps else None
+    if lead and ((step + 1) % log_every == 0 or eval_loss is not None):
+      rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+             "grad_norm": float(metrics.grad_norm), "skipped": int(state.skipped)}
+      if eval_loss is not None:
+        rec["eval_loss"] = eval_loss
+      log.write(json.dumps(rec) + "\n")
+      log.flush()
+    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_s=f"{dt:.3f}")
+    bar.update(1)
+  bar.close()
+  median = float(np.median(times)) if times else float("nan")
+  summary = {"plan": plan.name, "mesh": dict(mesh.shape), "steps": steps, "first_loss": first_loss,
+             "final_loss": loss, "final_eval_loss": eval_loss, "skipped_steps": int(state.skipped),
+             "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if times else None,
+             "data": dataset.source}
+  if lead:
+    log.close()
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+  return summary
