@@ -186,9 +186,24 @@ class Executor:
     """The jitted `(state, batch[accum, global_batch, seq + 1]) -> (state, StepMetrics)`; donates state."""
     if self._step is None:
       sh = state_shardings or self.shardings()
-      self._step = jax.jit(self._train_step, in_shardings=(sh, self.batch_sharding),
-                           out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0)
+      jitted = jax.jit(self._train_step, in_shardings=(sh, self.batch_sharding),
+                       out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0)
+
+      def step(state, batch):
+        self.check_batch(batch.shape)
+        return jitted(state, batch)
+      step.lower = jitted.lower
+      self._step = step
     return self._step
+
+  def check_batch(self, shape: tuple[int, ...]) -> None:
+    """Raises a clear error for a batch the step cannot shard: `[accum, global_batch, seq + 1]`."""
+    if len(shape) != 3 or shape[0] != self.accum_steps:
+      raise ValueError(f"batch of shape {tuple(shape)} should be [accum_steps={self.accum_steps}, "
+                       "global_batch, seq_len + 1]")
+    if shape[1] % self.world:
+      raise ValueError(f"global batch size {shape[1]} is not divisible by the {self.world} devices of the "
+                       f"mesh; use a multiple of {self.world}")
 
   def eval_fn(self):
     """Jitted mean loss of a batch `[global_batch, seq + 1]` (forward only)."""
