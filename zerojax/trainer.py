@@ -1,6 +1,7 @@
 """The training loop behind `train.py`: gin-configured, multi-host aware, with progress and metrics."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -25,6 +26,13 @@ def model_config(vocab_size: int = 256, seq_len: int = 128, d_model: int = 128, 
   return GPTConfig(vocab_size, seq_len, d_model, num_heads, num_layers, mlp_ratio)
 
 
+def default_num_nodes() -> int:
+  """One node per process; a single CPU process simulates 2 nodes (when its devices split evenly)."""
+  if jax.process_count() > 1:
+    return jax.process_count()
+  return 2 if jax.default_backend() == "cpu" and jax.device_count() % 2 == 0 else 1
+
+
 class NonFiniteError(RuntimeError):
   pass
 
@@ -34,7 +42,7 @@ def train(workdir: str, data: str | None = None, *, plan: Plan = gin.REQUIRED, s
           batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
           eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
           max_consecutive_skips: int = 5, max_data_bytes: int = 64 * 2**20, pad_multiple: int = 256,
-          progress: bool = True) -> dict:
+          param_dtype: str | None = None, progress: bool = True) -> dict:
   """Trains the GPT model on byte-level text under `plan` and writes metrics to `workdir`.
 
   Args:
@@ -44,20 +52,23 @@ def train(workdir: str, data: str | None = None, *, plan: Plan = gin.REQUIRED, s
     steps: optimizer steps.
     batch_size: global micro-batch size (sequences), divisible by the number of devices.
     accum_steps: micro-batches per optimizer step.
-    num_nodes: nodes of the mesh (default: the number of processes).
+    num_nodes: nodes of the mesh (default `default_num_nodes()`).
     eval_every: steps between evaluations of the held-out loss (0: only at the end).
     max_consecutive_skips: stop after this many steps in a row with non-finite loss or gradients.
     pad_multiple: leaves are padded to a multiple of devices x this (the quantization block).
+    param_dtype: overrides the plan's parameter dtype on the wire and in compute (None keeps it).
 
   Returns:
     The summary dict also written to `summary.json`.
   """
   cfg = model_config()
-  mesh = make_mesh(num_nodes)
+  if param_dtype is not None:
+    plan = dataclasses.replace(plan, param_dtype=param_dtype)
+  mesh = make_mesh(num_nodes or default_num_nodes())
   if batch_size % mesh.size:
     raise ValueError(f"global batch size {batch_size} is not divisible by the {mesh.size} devices of the "
                      f"mesh; use a multiple of {mesh.size}")
-  dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes)
+  dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes, seq_len=cfg.seq_len)
   ex = Executor(gpt(cfg), make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
                 pad_multiple=pad_multiple)
   state = ex.init(jax.random.key(seed))
