@@ -1,0 +1,14 @@
+"""The README's API example runs as written."""
+import pathlib
+import re
+
+import numpy as np
+
+
+def test_readme_api_example_runs():
+  text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  (code,) = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "zerojax.Executor" in c]
+  scope = {}
+  exec(compile(code, "README.md", "exec"), scope)
+  assert int(scope["state"].step) == 1 and np.isfinite(float(scope["metrics"].loss))
+  assert scope["params"]["layers"]["w"].shape == (4, 64, 64)
