@@ -51,9 +51,10 @@ def test_memory_report_matches_plan(name):
   mesh = zerojax.make_mesh(2, 4)
   ex = zerojax.Executor(helpers.tiny_gpt(), optax.adamw(1e-3), plans.PLANS[name](), mesh, pad_multiple=4)
   rep = memory_report(ex, ex.init(jax.random.key(0)))
-  exp, degree = rep["expected"], {"dp": 1, "zero1": 8, "zero2": 8, "zero3": 8, "mics": 4}[name]
+  exp, degree = rep["expected"], {"dp": 1, "zero1": 8, "zero2": 8, "zero3": 8, "mics": 4, "zeropp": 8}[name]
   n = exp["numel_padded"]
   assert exp["opt_shard_degree"] == degree
   assert exp["master"] == n * 4 // degree and exp["optimizer"] == 2 * n * 4 // degree
   assert exp["params"] == n * 2 // exp["param_shard_degree"]
   assert rep["measured"] == {"master": exp["master"], "optimizer": exp["optimizer"]}
+  assert exp["hpz_secondary"] == (n * 2 // 4 if name == "zeropp" else 0)

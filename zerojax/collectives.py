@@ -6,12 +6,17 @@ of devices along the collective's axes and `C` the packed chunk length.
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5.3 (parameter all-gather, gradient reduce-scatter).
+  ZeRO++: Wang et al. 2023, §3.1 (qwZ), §3.3 (qgZ).
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from zerojax import qgz, quantization
 
 
 def _split_kxC(buf_kxC: jax.Array, chunks: list[int]) -> list[jax.Array]:
@@ -23,22 +28,44 @@ def _split_kxC(buf_kxC: jax.Array, chunks: list[int]) -> list[jax.Array]:
   return out
 
 
-def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...]) -> list[jax.Array]:
-  """Gathers each leaf's local chunk `[c_i]` over `axes` into its full flat array `[k * c_i]`."""
+def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int | None = None,
+                    block: int = 256, backend: str | None = None) -> list[jax.Array]:
+  """Gathers each leaf's local chunk `[c_i]` over `axes` into its full flat array `[k * c_i]`.
+
+  With `bits` (qwZ, ZeRO++ §3.1) the packed chunk is block-quantized, values and scales are gathered,
+  and the result is dequantized on arrival into the chunk's dtype.
+  """
   if not axes:
     return list(shards)
   buf_C = jnp.concatenate(shards)
-  buf_kxC = lax.all_gather(buf_C, axes, axis=0, tiled=False)
+  if bits is None:
+    buf_kxC = lax.all_gather(buf_C, axes, axis=0, tiled=False)
+  else:
+    v, s = quantization.quantize(buf_C, bits, block, backend=backend)
+    v_kxV = lax.all_gather(v, axes, axis=0, tiled=False)
+    s_kxS = lax.all_gather(s, axes, axis=0, tiled=False)
+    buf_kxC = quantization.dequantize(v_kxV, s_kxS, bits, block, dtype=buf_C.dtype,
+                                      backend=backend).reshape(v_kxV.shape[0], -1)
   return _split_kxC(buf_kxC, [s.shape[0] for s in shards])
 
 
-def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], k: int) -> list[jax.Array]:
-  """Sums each leaf's full flat gradient `[k * c_i]` over `axes` and keeps this device's chunk `[c_i]`."""
+def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], sizes: tuple[int, ...], *,
+                        bits: int | None = None, block: int = 256, stages: int = 1,
+                        backend: str | None = None) -> list[jax.Array]:
+  """Sums each leaf's full flat gradient `[k * c_i]` over `axes` and keeps this device's chunk `[c_i]`.
+
+  With `bits` the sum is qgZ's 2-hop quantized all-to-all (`zerojax.qgz`) instead of `psum_scatter`.
+  """
   if not axes:
     return list(grads)
+  k = math.prod(sizes)
   chunks = [g.shape[0] // k for g in grads]
   buf_kxC = jnp.concatenate([g.reshape(k, c) for g, c in zip(grads, chunks)], axis=1)
-  buf_C = lax.psum_scatter(buf_kxC.reshape(-1), axes, scatter_dimension=0, tiled=True)
+  if bits is None:
+    buf_C = lax.psum_scatter(buf_kxC.reshape(-1), axes, scatter_dimension=0, tiled=True)
+  else:
+    buf_C = qgz.qgz_reduce_scatter(buf_kxC.reshape(-1), axes=axes, sizes=sizes, bits=bits, block=block,
+                                   stages=stages, backend=backend)
   out, off = [], 0
   for c in chunks:
     out.append(buf_C[off:off + c])

@@ -69,7 +69,7 @@ class Executor:
     plan: the sharding plan.
     mesh: the ("node", "gpu") mesh.
     accum_steps: micro-batches per optimizer step (gradient accumulation).
-    pad_multiple: leaves are padded to a multiple of (devices x pad_multiple).
+    pad_multiple: leaves are padded to a multiple of (devices x lcm(pad_multiple, plan.alignment)).
   """
 
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
@@ -84,7 +84,7 @@ class Executor:
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     if not isinstance(shapes, dict):
       raise TypeError(f"model.init must return a dict of units, got {type(shapes).__name__}")
-    self.layout = layout_lib.make_layout(shapes, model.scanned, mesh.size * pad_multiple)
+    self.layout = layout_lib.make_layout(shapes, model.scanned, mesh.size * math.lcm(pad_multiple, plan.alignment))
     self.param_specs = layout_lib.specs(self.layout, plan.opt_order)
     sizes = tuple(zip(mesh.axis_names, mesh.devices.shape))
     self._metas = {}

@@ -39,7 +39,10 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
       "param_shard_degree": s(plan.param_axes), "grad_shard_degree": s(plan.grad_axes),
       "opt_shard_degree": s(plan.opt_axes), "numel_padded": numel,
   }
-  expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer"))
+  # hpZ (ZeRO++ §3.2) keeps every unit's secondary shard from its forward to its backward.
+  expected["hpz_secondary"] = (layout_lib.bytes_of(ex.layout, plan.param_dtype) // s(plan.secondary_axes)
+                               if plan.secondary_axes else 0)
+  expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer", "hpz_secondary"))
   report = {"plan": plan.name, "expected": expected}
   if state is not None:
     dev = ex.mesh.devices.flat[0]

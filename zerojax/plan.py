@@ -10,14 +10,17 @@ value driving one executor (`zerojax.executor`):
 | ZeRO-2  | ()           | (node, gpu)  | (node, gpu)           | -                       |
 | ZeRO-3  | (node, gpu)  | (node, gpu)  | (node, gpu)           | -                       |
 | MiCS    | (gpu,)       | (gpu,)       | (gpu,)                | all-reduce over node    |
+| ZeRO++  | (node, gpu)  | (node, gpu)  | (node, gpu)           | - ; int8 gather, hpZ, qgZ|
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5 (stages 1-3).
   MiCS: Zhang et al. 2022, §3.1 (partition groups), §3.3 (2-hop gradient synchronisation).
+  ZeRO++: Wang et al. 2023, §3.1 (qwZ), §3.2 (hpZ), §3.3 (qgZ).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import jax.numpy as jnp
@@ -41,6 +44,19 @@ class Plan:
     opt_axes: A_os ⊇ A_g, mesh axes the fp32 master weights and optimizer states are sharded over.
     param_dtype: dtype of the parameters on the wire and in compute (bf16 = mixed precision).
     reduce_dtype: dtype gradients are reduced and accumulated in (fp32).
+    weight_bits: qwZ (ZeRO++ §3.1): the forward all-gather moves block-quantized values of this many
+      bits (8 or 4) and their scales; None gathers in `param_dtype`.
+    weight_block: elements per qwZ quantization block.
+    quantize_backward_gather: with qwZ and without hpZ, re-gather quantized in backward too (the
+      backward then uses exactly the forward's dequantized weights).
+    secondary_axes: hpZ (ZeRO++ §3.2): after a unit's forward keep only its secondary shard, the
+      slice of the gathered weights for this device's position along these axes (⊆ param_axes, default
+      the node, `("gpu",)`); the backward all-gather runs over them only.
+    grad_bits: qgZ (ZeRO++ §3.3): the gradient reduce-scatter becomes a 2-hop all-to-all of
+      block-quantized values of this many bits (4 or 8): inside the node, then across nodes.
+    grad_block: elements per qgZ quantization block.
+    qgz_stages: qgZ pipeline stages (ZeRO++ §4.1.2, Algorithm 2); results do not depend on it.
+    kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
   """
   name: str = "zero3"
   param_axes: tuple[str, ...] = AXES
@@ -48,8 +64,19 @@ class Plan:
   opt_axes: tuple[str, ...] = AXES
   param_dtype: str = "bfloat16"
   reduce_dtype: str = "float32"
+  weight_bits: int | None = None
+  weight_block: int = 256
+  quantize_backward_gather: bool = True
+  secondary_axes: tuple[str, ...] | None = None
+  grad_bits: int | None = None
+  grad_block: int = 256
+  qgz_stages: int = 1
+  kernel_backend: str | None = None
 
   def __post_init__(self):
+    if self.secondary_axes is not None:
+      object.__setattr__(self, "secondary_axes", _axes(self.secondary_axes))
+    self._check_zeropp()
     for f in ("param_axes", "grad_axes", "opt_axes"):
       object.__setattr__(self, f, _axes(getattr(self, f)))
     p, g, os_ = set(self.param_axes), set(self.grad_axes), set(self.opt_axes)
@@ -68,10 +95,42 @@ class Plan:
         raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)!r} is not a dtype name "
                          "(use 'float32' or 'bfloat16')") from None
 
+  def _check_zeropp(self) -> None:
+    for f, allowed in (("weight_bits", (None, 4, 8)), ("grad_bits", (None, 4, 8))):
+      if getattr(self, f) not in allowed:
+        raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)!r}; use one of {allowed}")
+    for f in ("weight_block", "grad_block", "qgz_stages"):
+      if getattr(self, f) < 1 or (f != "qgz_stages" and getattr(self, f) % 2):
+        raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)} must be a positive (even) integer")
+    if self.weight_bits and not self.param_axes:
+      raise ValueError(f"plan {self.name!r}: qwZ (weight_bits) quantizes the parameter all-gather, but "
+                       "param_axes is empty; shard the parameters (e.g. zero3) or drop weight_bits")
+    if self.secondary_axes is not None:
+      if not self.secondary_axes or not set(self.secondary_axes) <= set(self.param_axes):
+        raise ValueError(f"plan {self.name!r}: hpZ secondary_axes={self.secondary_axes} must be a non-empty "
+                         f"subset of param_axes={self.param_axes}, e.g. ('gpu',)")
+    if self.grad_bits and not self.grad_axes:
+      raise ValueError(f"plan {self.name!r}: qgZ (grad_bits) quantizes the gradient reduce-scatter, but "
+                       "grad_axes is empty; shard the gradients (zero2/zero3/mics) or drop grad_bits")
+    if self.grad_bits and len(self.grad_order) == 2 and self.grad_order != AXES:
+      raise ValueError(f"plan {self.name!r}: qgZ reduces over {AXES} in node-major order; "
+                       f"grad axes {self.grad_order} are not")
+
+  @property
+  def alignment(self) -> int:
+    """Leaves are padded to a multiple of (devices x alignment): quantization blocks never cross an
+    owner chunk or a qgZ pipeline stage."""
+    blocks = [1]
+    if self.weight_bits:
+      blocks.append(self.weight_block)
+    if self.grad_bits:
+      blocks.append(self.grad_block * self.qgz_stages)
+    return math.lcm(*blocks)
+
   def validate(self, mesh: Mesh) -> None:
     """Raises if the plan names an axis the mesh does not have."""
-    for f in ("param_axes", "grad_axes", "opt_axes"):
-      for a in getattr(self, f):
+    for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes"):
+      for a in getattr(self, f) or ():
         if a not in mesh.axis_names:
           raise ValueError(f"plan {self.name!r}: {f} names axis {a!r}, but the mesh has axes "
                            f"{tuple(mesh.axis_names)}")
@@ -121,4 +180,14 @@ def mics(**kw) -> Plan:
   return Plan(name="mics", param_axes=("gpu",), grad_axes=("gpu",), opt_axes=("gpu",), **kw)
 
 
-PLANS = {"dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "mics": mics}
+def zeropp(weight_bits: int | None = 8, secondary_axes=("gpu",), grad_bits: int | None = 4, **kw) -> Plan:
+  """ZeRO++ (Wang et al. 2023): ZeRO-3 with qwZ (§3.1), hpZ (§3.2) and qgZ (§3.3).
+
+  Each technique is one argument; pass None to switch it off (the ablation of ZeRO++ §5.4).
+  """
+  kw.setdefault("name", "zeropp")
+  return Plan(param_axes=AXES, grad_axes=AXES, opt_axes=AXES, weight_bits=weight_bits,
+              secondary_axes=secondary_axes, grad_bits=grad_bits, **kw)
+
+
+PLANS = {"dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "mics": mics, "zeropp": zeropp}

@@ -4,9 +4,11 @@ DESIGN.md, "The ZeRO unit". Model code calls `unit(f)(params, *args)`. With plai
 is just `f(params, *args)`, so the same model code gives the single-device reference. Inside the
 executor's `shard_map` the params are a `ShardedUnit`, and the call becomes a `jax.custom_vjp`:
 
-- forward: all-gather the unit's parameters over the plan's param axes A_p, run `f`; keep as residual
-  only the local shard and the inputs, never the gathered weights;
-- backward: re-gather, recompute `f`'s VJP, reduce the full local gradient over the gradient axes A_g
+- forward: all-gather the unit's parameters over the plan's param axes A_p (qwZ: int8/int4 values and
+  block scales, dequantized on arrival), run `f`; keep as residual only the local shard (hpZ: the
+  secondary shard) and the inputs, never the gathered weights;
+- backward: re-gather (hpZ: over the secondary axes only, inside the node), recompute `f`'s VJP, reduce
+  the full local gradient over the gradient axes A_g (qgZ: 2-hop quantized all-to-all)
   and return it as the cotangent of the unit's *gradient sink*, a zero placeholder shaped like the G
   shard. The executor differentiates with respect to the sinks, so A_g may shard more finely than A_p
   (ZeRO-2, AMSP) while the gradient is still reduced layer by layer inside the backward pass.
@@ -66,39 +68,64 @@ class ShardedUnit:
     return cls(*children, meta)
 
 
-def _gather(meta: UnitMeta, shards: list) -> Any:
-  flats = collectives.all_gather_unit(shards, meta.plan.param_axes)
-  leaves = [f[:l.size].reshape(l.shape) for f, l in zip(flats, meta.leaves)]
-  return jax.tree.unflatten(meta.treedef, leaves)
+def _gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
+  """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ)."""
+  plan = meta.plan
+  bits = plan.weight_bits if (not backward or plan.quantize_backward_gather) else None
+  return collectives.all_gather_unit(shards, plan.param_axes, bits=bits, block=plan.weight_block,
+                                     backend=plan.kernel_backend)
+
+
+def _tree(meta: UnitMeta, flats: list) -> Any:
+  return jax.tree.unflatten(meta.treedef, [f[:l.size].reshape(l.shape) for f, l in zip(flats, meta.leaves)])
+
+
+def _secondary_shards(meta: UnitMeta, flats: list) -> list:
+  """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""
+  axes = meta.plan.secondary_axes
+  k, idx = meta.size(axes), lax.axis_index(axes)
+  return [lax.dynamic_index_in_dim(f.reshape(k, -1), idx, keepdims=False) for f in flats]
 
 
 def _reduce(meta: UnitMeta, grads: Any) -> list:
-  dtype = jnp.dtype(meta.plan.reduce_dtype)
+  plan = meta.plan
+  dtype = jnp.dtype(plan.reduce_dtype)
   flats = [jnp.pad(g.astype(dtype).reshape(-1), (0, l.padded - l.size))
            for g, l in zip(jax.tree.leaves(grads), meta.leaves)]
-  axes = meta.plan.grad_order
-  return collectives.reduce_scatter_unit(flats, axes, meta.size(axes))
+  sizes = tuple(dict(meta.axis_sizes)[a] for a in plan.grad_order)
+  return collectives.reduce_scatter_unit(flats, plan.grad_order, sizes, bits=plan.grad_bits,
+                                         block=plan.grad_block, stages=plan.qgz_stages,
+                                         backend=plan.kernel_backend)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _sharded_call(f, meta, shards, sinks, *args):
   del sinks
-  return f(_gather(meta, shards), *args)
+  return f(_tree(meta, _gather_flats(meta, shards)), *args)
 
 
 def _sharded_fwd(f, meta, shards, sinks, *args):
   del sinks
-  return f(_gather(meta, shards), *args), (shards, args)
+  flats = _gather_flats(meta, shards)
+  # Residual: the primary shard, or with hpZ the secondary shard of the (dequantized) gathered weights,
+  # so the backward uses exactly the forward's weights. Never the full gathered weights.
+  kept = _secondary_shards(meta, flats) if meta.plan.secondary_axes else shards
+  return f(_tree(meta, flats), *args), (kept, args)
 
 
 def _sharded_bwd(f, meta, residuals, g):
-  shards, args = residuals
+  kept, args = residuals
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
   # gather (keeping full weights alive across the whole step) nor hoist it early.
-  shards, g = lax.optimization_barrier((shards, g))
-  _, vjp = jax.vjp(f, _gather(meta, shards), *args)
+  kept, g = lax.optimization_barrier((kept, g))
+  if meta.plan.secondary_axes:
+    flats = collectives.all_gather_unit(kept, meta.plan.secondary_axes)  # inside the node only
+  else:
+    flats = _gather_flats(meta, kept, backward=True)
+  _, vjp = jax.vjp(f, _tree(meta, flats), *args)
   dparams, *dargs = vjp(g)
-  dshards = [jnp.zeros_like(s) for s in shards]
+  k_p = meta.size(meta.plan.param_axes)
+  dshards = [jnp.zeros((l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]
   return (dshards, _reduce(meta, dparams), *dargs)
 
 

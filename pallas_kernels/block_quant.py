@@ -1,0 +1,327 @@
+"""Pallas kernels for block-wise quantization (interpreted on CPU, compiled through Triton on GPU).
+
+Every kernel works on a tile of R blocks, i.e. a [R, B] slice of the [M, B] view of the data, and
+repeats the reference arithmetic of `zerojax.quantization` operation for operation so that results
+agree bit for bit: scale = absmax / qmax (rounded up to 17 significant bits),
+code = clip(round_half_even(x / scale)), value = code * scale, fp32 sums in slab order. When int4
+is involved a tile is split into its even and odd elements (two "lanes" read with stride 2), which
+are exactly the low and high nibbles of the packed bytes; absmax is the max over both lanes, which
+is the same number.
+
+On GPU, fp32 division and rounding are written as PTX with explicit round-to-nearest (`div.rn`,
+`cvt.rni`): Triton's `/` is the approximate `div.full`, and Pallas has no Triton lowering for
+`round`. Products `code * scale` are exact (scales carry 17 significant bits), so FMA contraction of
+the fp32 sums cannot change a bit.
+
+References:
+  ZeRO++: Wang et al. 2023, §4.2 (quantization kernels; reorder+quantize fusion; dequantize +
+  reduce + quantize fusion), §4.1.2 Algorithm 2 (tensor slice reordering).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+# Elements per grid step: large in interpret mode (each step is a loop iteration on the host), a
+# Triton-sized tile when compiled.
+_INTERPRET_TILE = 1 << 18
+_GPU_TILE = 1 << 12
+
+
+def interpret_mode() -> bool:
+  """True when kernels must run in the Pallas interpreter (the default device is not a GPU)."""
+  return jax.default_backend() == "cpu"
+
+
+def _qmax(bits: int) -> float:
+  return {8: 127.0, 4: 7.0}[bits]
+
+
+# --- scalar arithmetic, IEEE round-to-nearest on every backend ------------------------------------
+
+def _asm(op: str, *args: jax.Array) -> jax.Array:
+  from jax.experimental.pallas import triton as plgpu
+  ins = ", ".join(f"${i + 1}" for i in range(len(args)))
+  [out] = plgpu.elementwise_inline_asm(
+      f"{op} $0, {ins};", args=list(args), constraints=",".join(["=f"] + ["f"] * len(args)),
+      pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
+  return out
+
+
+class _Ops:
+  """fp32 division and rounding; `gpu` selects explicit PTX round-to-nearest."""
+
+  def __init__(self, gpu: bool):
+    self.gpu = gpu
+
+  def div(self, a, b):
+    return _asm("div.rn.f32", a, b) if self.gpu else a / b
+
+  def rint(self, a):
+    return _asm("cvt.rni.f32.f32", a) if self.gpu else jnp.round(a)
+
+
+def _trim_scale(scale):
+  """Same as `zerojax.quantization.trim_scale`: round up to 17 significant bits."""
+  b = lax.bitcast_convert_type(scale, jnp.uint32)
+  b = (b + jnp.uint32(0x7F)) & jnp.uint32(0xFFFFFF80)
+  return lax.bitcast_convert_type(b, jnp.float32)
+
+
+# --- tile helpers: a tile is a tuple of lanes, (all,) or (even, odd) ------------------------------
+
+def _lanes(ref, n_lanes: int):
+  """Reads a [R, L] tile as lanes of its last axis."""
+  if n_lanes == 1:
+    return (ref[...],)
+  h = ref.shape[-1] // 2
+  return tuple(ref[:, pl.ds(i, h, stride=2)] for i in range(2))
+
+
+def _store_lanes(ref, lanes) -> None:
+  if len(lanes) == 1:
+    ref[...] = lanes[0]
+    return
+  h = ref.shape[-1] // 2
+  ref[:, pl.ds(0, h, stride=2)] = lanes[0]
+  ref[:, pl.ds(1, h, stride=2)] = lanes[1]
+
+
+def _load_codes(v_ref, bits: int, n_lanes: int):
+  """Stored values -> int32 code lanes."""
+  if bits == 8:
+    return tuple(v.astype(jnp.int32) for v in _lanes(v_ref, n_lanes))
+  b = v_ref[...].astype(jnp.int32)
+  return (((b & 0xF) ^ 8) - 8, (((b >> 4) & 0xF) ^ 8) - 8)
+
+
+def _store_codes(v_ref, codes, bits: int) -> None:
+  if bits == 8:
+    _store_lanes(v_ref, tuple(c.astype(jnp.int8) for c in codes))
+  else:
+    v_ref[...] = ((codes[0] & 0xF) | ((codes[1] & 0xF) << 4)).astype(jnp.uint8)
+
+
+def _dequant(codes, scale_R):
+  s = scale_R.astype(jnp.float32)[:, None]
+  return tuple(c.astype(jnp.float32) * s for c in codes)
+
+
+def _quant(xs, bits: int, ops: _Ops):
+  """fp32 lanes [R, *] -> (int32 code lanes, scales [R])."""
+  qmax = _qmax(bits)
+  amax = None
+  for x in xs:
+    m = jnp.max(jnp.where(x != x, jnp.inf, jnp.abs(x)), axis=1)
+    amax = m if amax is None else jnp.maximum(amax, m)
+  scale = _trim_scale(ops.div(amax, jnp.full(amax.shape, qmax, jnp.float32)))
+  ok = ((scale > 0) & (scale < jnp.inf))[:, None]
+  codes = []
+  for x in xs:
+    q = ops.rint(ops.div(x, jnp.broadcast_to(scale[:, None], x.shape)))
+    q = jnp.where(ok, jnp.clip(q, -qmax, qmax), 0.0)
+    codes.append(q.astype(jnp.int32))
+  return tuple(codes), scale
+
+
+# --- kernels --------------------------------------------------------------------------------------
+
+def _quantize_kernel(x_ref, v_ref, s_ref, *, bits, ops):
+  xs = tuple(x.astype(jnp.float32) for x in _lanes(x_ref, 2 if bits == 4 else 1))
+  codes, scale = _quant(xs, bits, ops)
+  _store_codes(v_ref, codes, bits)
+  s_ref[...] = scale
+
+
+def _dequantize_kernel(v_ref, s_ref, o_ref, *, bits):
+  n_lanes = 2 if bits == 4 else 1
+  ys = _dequant(_load_codes(v_ref, bits, n_lanes), s_ref[...])
+  _store_lanes(o_ref, tuple(y.astype(o_ref.dtype) for y in ys))
+
+
+def _sum_slabs(refs, bits, n_lanes):
+  """refs = K value tiles, then K scale tiles (one per received slab); fp32 sum, slab 0 first."""
+  k = len(refs) // 2
+  acc = None
+  for v_ref, s_ref in zip(refs[:k], refs[k:]):
+    ys = _dequant(_load_codes(v_ref, bits, n_lanes), s_ref[...])
+    acc = ys if acc is None else tuple(a + y for a, y in zip(acc, ys))
+  return acc
+
+
+def _dequant_sum_quantize_kernel(*refs, bits, out_bits, ops):
+  *ins, ov_ref, os_ref = refs
+  acc = _sum_slabs(ins, bits, 2 if 4 in (bits, out_bits) else 1)
+  codes, scale = _quant(acc, out_bits, ops)
+  _store_codes(ov_ref, codes, out_bits)
+  os_ref[...] = scale
+
+
+def _dequant_sum_kernel(*refs, bits):
+  *ins, o_ref = refs
+  acc = _sum_slabs(ins, bits, 2 if bits == 4 else 1)
+  _store_lanes(o_ref, tuple(a.astype(o_ref.dtype) for a in acc))
+
+
+# --- launch helpers -------------------------------------------------------------------------------
+
+def _rows_per_tile(m: int, block: int, interpret: bool) -> int:
+  """Rows per grid step: a divisor of m (a power of two when compiled) within the tile budget."""
+  budget = max(1, (_INTERPRET_TILE if interpret else _GPU_TILE) // block)
+  if not interpret:
+    r = 1
+    while r * 2 <= budget and m % (r * 2) == 0:
+      r *= 2
+    return r
+  best = 1
+  for d in range(1, int(m ** 0.5) + 1):
+    if m % d == 0:
+      for cand in (d, m // d):
+        if cand <= budget and cand > best:
+          best = cand
+  return best
+
+
+def _setup(block: int, *arrays):
+  """(interpret, ops, manual-axis type for outputs); checks what the compiled path needs."""
+  interpret = interpret_mode()
+  if not interpret and block & (block - 1):
+    raise ValueError(f"block={block}: the compiled Pallas kernels need a power-of-two block")
+  mats = [jax.typeof(a).manual_axis_type for a in arrays]
+  mat = max(mats, key=lambda t: len(t.varying))
+  if interpret and mat.varying:
+    raise NotImplementedError(
+        "the Pallas interpreter cannot run inside jax.shard_map(check_vma=True) on this jax"
+        " version (it drops the manual-axis types of the kernel's blocks); use check_vma=False,"
+        " as zerojax's executor does, or backend='xla'")
+  return interpret, _Ops(gpu=not interpret), mat
+
+
+def _launch(kernel, *args, interpret, name, **specs):
+  """pallas_call in interpret mode on CPU, through the Triton lowering on GPU.
+
+  Pallas' default GPU lowering is Mosaic GPU; Triton compiler params select the Triton one.
+  """
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as pltriton
+    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+  return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, name=name,
+                        **specs)(*args)
+
+
+def _out(shape, dtype, mat):
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
+def _value_dtype(bits):
+  return jnp.int8 if bits == 8 else jnp.uint8
+
+
+def _packed(elements: int, bits: int) -> int:
+  return elements if bits == 8 else elements // 2
+
+
+def _rows(r):
+  return pl.BlockSpec((r,), lambda i: (i,))
+
+
+def _tiles(r, width):
+  return pl.BlockSpec((r, width), lambda i: (i, 0))
+
+
+def _slab_specs(k: int, r: int, bp: int):
+  """One block spec per slab over the same [K, M, Bp] and [K, M] arrays.
+
+  Each slab is its own kernel operand (the same buffer, no copy), so kernels never index a leading
+  slab axis: Triton's lowering and the interpreter disagree on mixing that with strided slices.
+  """
+  sq = pl.squeezed
+  return ([pl.BlockSpec((sq, r, bp), functools.partial(lambda kk, i: (kk, i, 0), kk))
+           for kk in range(k)] +
+          [pl.BlockSpec((sq, r), functools.partial(lambda kk, i: (kk, i), kk)) for kk in range(k)])
+
+
+def quantize_rows(x_MxB: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+  """[M, B] fp32/bf16 -> (values [M, B] int8 or [M, B/2] uint8, scales [M] fp32)."""
+  m, b = x_MxB.shape
+  interpret, ops, mat = _setup(b, x_MxB)
+  r = _rows_per_tile(m, b, interpret)
+  bp = _packed(b, bits)
+  return _launch(
+      functools.partial(_quantize_kernel, bits=bits, ops=ops), x_MxB,
+      out_shape=(_out((m, bp), _value_dtype(bits), mat), _out((m,), jnp.float32, mat)),
+      grid=(m // r,), in_specs=[_tiles(r, b)], out_specs=(_tiles(r, bp), _rows(r)),
+      interpret=interpret, name="zerojax_quantize")
+
+
+def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
+  """[N, G, S, C] -> quantized [S, G, N, C]: the transpose is done by the grid's index maps.
+
+  Returns values [S, G, N, C or C/2] and scales [S, G, N, C / block].
+  """
+  n, g, s, c = x_NxGxSxC.shape
+  nb = c // block
+  interpret, ops, mat = _setup(block, x_NxGxSxC)
+  r = _rows_per_tile(nb, block, interpret)
+  bp = _packed(block, bits)
+  sq = pl.squeezed
+  v, sc = _launch(
+      functools.partial(_quantize_kernel, bits=bits, ops=ops),
+      x_NxGxSxC.reshape(n, g, s, nb, block),
+      out_shape=(_out((s, g, n, nb, bp), _value_dtype(bits), mat),
+                 _out((s, g, n, nb), jnp.float32, mat)),
+      grid=(s, g, n, nb // r),
+      in_specs=[pl.BlockSpec((sq, sq, sq, r, block), lambda si, gi, ni, j: (ni, gi, si, j, 0))],
+      out_specs=(pl.BlockSpec((sq, sq, sq, r, bp), lambda si, gi, ni, j: (si, gi, ni, j, 0)),
+                 pl.BlockSpec((sq, sq, sq, r), lambda si, gi, ni, j: (si, gi, ni, j))),
+      interpret=interpret, name="zerojax_reorder_quantize")
+  return v.reshape(s, g, n, nb * bp), sc
+
+
+def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype) -> jax.Array:
+  """[M, Bp] values, [M] scales -> [M, B] in `dtype`."""
+  m, bp = v_MxBp.shape
+  b = bp if bits == 8 else 2 * bp
+  interpret, _, mat = _setup(b, v_MxBp, s_M)
+  r = _rows_per_tile(m, b, interpret)
+  return _launch(
+      functools.partial(_dequantize_kernel, bits=bits), v_MxBp, s_M.astype(jnp.float32),
+      out_shape=_out((m, b), dtype, mat), grid=(m // r,),
+      in_specs=[_tiles(r, bp), _rows(r)], out_specs=_tiles(r, b),
+      interpret=interpret, name="zerojax_dequantize")
+
+
+def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int,
+                              out_bits: int) -> tuple[jax.Array, jax.Array]:
+  """K slabs [K, M, Bp] -> requantized sum (values [M, Bp'], scales [M]), one pass over memory."""
+  k, m, bp = v_KxMxBp.shape
+  b = bp if bits == 8 else 2 * bp
+  interpret, ops, mat = _setup(b, v_KxMxBp, s_KxM)
+  r = _rows_per_tile(m, b * k, interpret)
+  obp = _packed(b, out_bits)
+  s_KxM = s_KxM.astype(jnp.float32)
+  return _launch(
+      functools.partial(_dequant_sum_quantize_kernel, bits=bits, out_bits=out_bits, ops=ops),
+      *[v_KxMxBp] * k, *[s_KxM] * k,
+      out_shape=(_out((m, obp), _value_dtype(out_bits), mat), _out((m,), jnp.float32, mat)),
+      grid=(m // r,), in_specs=_slab_specs(k, r, bp), out_specs=(_tiles(r, obp), _rows(r)),
+      interpret=interpret, name="zerojax_dequant_sum_quantize")
+
+
+def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype) -> jax.Array:
+  """K slabs [K, M, Bp] -> fp32 sum of their dequantized values, cast to `dtype`: [M, B]."""
+  k, m, bp = v_KxMxBp.shape
+  b = bp if bits == 8 else 2 * bp
+  interpret, _, mat = _setup(b, v_KxMxBp, s_KxM)
+  r = _rows_per_tile(m, b * k, interpret)
+  s_KxM = s_KxM.astype(jnp.float32)
+  return _launch(
+      functools.partial(_dequant_sum_kernel, bits=bits), *[v_KxMxBp] * k, *[s_KxM] * k,
+      out_shape=_out((m, b), dtype, mat), grid=(m // r,),
+      in_specs=_slab_specs(k, r, bp), out_specs=_tiles(r, b),
+      interpret=interpret, name="zerojax_dequant_sum")

@@ -1,0 +1,269 @@
+"""Triton kernels for block-wise quantization, called through jax-triton (GPU only).
+
+The same operations and the same arithmetic as `pallas_kernels.block_quant` and the reference in
+`zerojax.quantization`: scale = absmax / qmax (`div_rn`) rounded up to 17 significant bits,
+code = clip(rint(x / scale)), value = code * scale (exact), fp32 sums in slab order. Each program
+handles ROWS blocks of B elements; int4 tiles are handled as even/odd lanes (the low/high nibbles).
+The reordering of qgZ is a row map: output row (s, g, n, j) reads input row (n, g, s, j), so the
+fused kernel costs what a plain quantization of contiguous data costs.
+
+`triton` and `jax_triton` exist only on GPU machines: they are imported inside functions, and
+`require_gpu` raises a clear error elsewhere.
+
+References:
+  ZeRO++: Wang et al. 2023, §4.2 (vectorized quantization kernels; reorder+quantize fusion;
+  dequantize + reduce + quantize fusion), §4.1.2 Algorithm 2.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+_TILE = 1 << 12
+
+# Bound by `_kernels()` once triton is importable.
+tl = libdevice = None
+_abs_or_inf = _scale = _codes = _load_lane = _store_lane = _store_codes = None
+
+
+def require_gpu() -> None:
+  """Raises unless a CUDA GPU and jax-triton are available."""
+  if jax.default_backend() != "gpu":
+    raise RuntimeError(
+        "backend='triton' needs a CUDA GPU (jax-triton), but the default JAX backend is "
+        f"{jax.default_backend()!r}; use backend='xla' or 'pallas'")
+  try:
+    import jax_triton  # noqa: F401
+    import triton  # noqa: F401
+  except ImportError as e:
+    raise RuntimeError(
+        f"backend='triton' needs the jax-triton package ({e}); install zerojax[gpu], or use "
+        "backend='xla' or 'pallas'") from e
+
+
+@functools.cache
+def _kernels():
+  """Builds the @triton.jit kernels (only callable where triton imports).
+
+  Triton resolves the names a kernel uses in its module's globals, so the lazily imported modules
+  and the helper kernels are bound there.
+  """
+  global tl, libdevice, _abs_or_inf, _scale, _codes, _load_lane, _store_lane, _store_codes
+  import triton
+  import triton.language as tl
+  try:
+    from triton.language.extra import libdevice
+  except ImportError:
+    from triton.language.extra.cuda import libdevice
+
+  @triton.jit
+  def _abs_or_inf(x):
+    return tl.where(x != x, float("inf"), tl.abs(x))
+
+  @triton.jit
+  def _scale(amax, QMAX: tl.constexpr):
+    s = tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    b = (s.to(tl.uint32, bitcast=True) + 0x7F) & 0xFFFFFF80
+    return b.to(tl.float32, bitcast=True)
+
+  @triton.jit
+  def _codes(x, scale, ok, QMAX: tl.constexpr):
+    q = libdevice.rint(tl.div_rn(x, scale[:, None]))
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    return tl.where(ok[:, None], q, 0.0).to(tl.int32)
+
+  @triton.jit
+  def _load_lane(v_ptr, row, cols, LANE: tl.constexpr, BITS: tl.constexpr, BP: tl.constexpr,
+                 TWO: tl.constexpr):
+    # Codes of elements (TWO * col + LANE), or of element col when TWO == 1.
+    if BITS == 8:
+      return tl.load(v_ptr + row[:, None] * BP + TWO * cols[None, :] + LANE).to(tl.int32)
+    b = tl.load(v_ptr + row[:, None] * BP + cols[None, :]).to(tl.int32)
+    n = (b >> (4 * LANE)) & 0xF
+    return (n ^ 8) - 8
+
+  @triton.jit
+  def _store_lane(o_ptr, row, cols, y, LANE: tl.constexpr, B: tl.constexpr, TWO: tl.constexpr):
+    tl.store(o_ptr + row[:, None] * B + TWO * cols[None, :] + LANE, y.to(o_ptr.dtype.element_ty))
+
+  @triton.jit
+  def _store_codes(v_ptr, row, cols, q0, q1, OUT_BITS: tl.constexpr, OBP: tl.constexpr,
+                   TWO: tl.constexpr):
+    base = v_ptr + row[:, None] * OBP
+    if OUT_BITS == 4:
+      tl.store(base + cols[None, :], ((q0 & 0xF) | ((q1 & 0xF) << 4)).to(tl.uint8))
+    else:
+      tl.store(base + TWO * cols[None, :], q0.to(tl.int8))
+      if TWO == 2:
+        tl.store(base + TWO * cols[None, :] + 1, q1.to(tl.int8))
+
+  @triton.jit
+  def quantize(x_ptr, v_ptr, s_ptr, N: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+               NB: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
+    # Output rows are ordered (s, g, n, j); input rows (n, g, s, j). N = G = S = 1: plain quantize.
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    j = r % NB
+    t = r // NB
+    n = t % N
+    t = t // N
+    g = t % G
+    s = t // G
+    src = ((n * G + g) * S + s) * NB + j
+    TWO: tl.constexpr = 2 if BITS == 4 else 1
+    QMAX: tl.constexpr = 7.0 if BITS == 4 else 127.0
+    cols = tl.arange(0, B // TWO)
+    x0 = tl.load(x_ptr + src[:, None] * B + TWO * cols[None, :]).to(tl.float32)
+    amax = tl.max(_abs_or_inf(x0), axis=1)
+    if TWO == 2:
+      x1 = tl.load(x_ptr + src[:, None] * B + TWO * cols[None, :] + 1).to(tl.float32)
+      amax = tl.maximum(amax, tl.max(_abs_or_inf(x1), axis=1))
+    scale = _scale(amax, QMAX)
+    ok = (scale > 0) & (scale < float("inf"))
+    q0 = _codes(x0, scale, ok, QMAX)
+    q1 = q0
+    if TWO == 2:
+      q1 = _codes(x1, scale, ok, QMAX)
+    _store_codes(v_ptr, r, cols, q0, q1, BITS, B // TWO, TWO)
+    tl.store(s_ptr + r, scale)
+
+  @triton.jit
+  def dequant_sum(v_ptr, s_ptr, o_ptr, os_ptr, K: tl.constexpr, M: tl.constexpr,
+                  ROWS: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr,
+                  OUT_BITS: tl.constexpr, REQUANT: tl.constexpr):
+    # K = 1 and REQUANT = 0: plain dequantize. REQUANT = 1: o_ptr/os_ptr get values/scales.
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    TWO: tl.constexpr = 2 if (BITS == 4 or (REQUANT == 1 and OUT_BITS == 4)) else 1
+    BP: tl.constexpr = B // 2 if BITS == 4 else B
+    cols = tl.arange(0, B // TWO)
+    acc0 = tl.zeros((ROWS, B // TWO), tl.float32)
+    acc1 = tl.zeros((ROWS, B // TWO), tl.float32)
+    for k in tl.static_range(K):
+      row = k * M + r
+      sc = tl.load(s_ptr + row)[:, None]
+      y0 = _load_lane(v_ptr, row, cols, 0, BITS, BP, TWO).to(tl.float32) * sc
+      if k == 0:
+        acc0 = y0
+      else:
+        acc0 = acc0 + y0
+      if TWO == 2:
+        y1 = _load_lane(v_ptr, row, cols, 1, BITS, BP, TWO).to(tl.float32) * sc
+        if k == 0:
+          acc1 = y1
+        else:
+          acc1 = acc1 + y1
+    if REQUANT == 1:
+      QMAX: tl.constexpr = 7.0 if OUT_BITS == 4 else 127.0
+      amax = tl.max(_abs_or_inf(acc0), axis=1)
+      if TWO == 2:
+        amax = tl.maximum(amax, tl.max(_abs_or_inf(acc1), axis=1))
+      scale = _scale(amax, QMAX)
+      ok = (scale > 0) & (scale < float("inf"))
+      q0 = _codes(acc0, scale, ok, QMAX)
+      q1 = q0
+      if TWO == 2:
+        q1 = _codes(acc1, scale, ok, QMAX)
+      OBP: tl.constexpr = B // 2 if OUT_BITS == 4 else B
+      _store_codes(o_ptr, r, cols, q0, q1, OUT_BITS, OBP, TWO)
+      tl.store(os_ptr + r, scale)
+    else:
+      _store_lane(o_ptr, r, cols, acc0, 0, B, TWO)
+      if TWO == 2:
+        _store_lane(o_ptr, r, cols, acc1, 1, B, TWO)
+
+  return quantize, dequant_sum
+
+
+def _call(kernel, *args, out, grid, **meta):
+  """jax_triton.triton_call across its API versions (`out_type`, formerly `out_shape`)."""
+  import jax_triton as jt
+  kw = dict(kernel=kernel, grid=grid, num_warps=4, **meta)
+  new_api = "out_type" in inspect.signature(jt.triton_call).parameters
+  kw["out_type" if new_api else "out_shape"] = out
+  return jt.triton_call(*args, **kw)
+
+
+def _rows(m: int, block: int) -> int:
+  if block & (block - 1):
+    raise ValueError(f"block={block}: the Triton kernels need a power-of-two block")
+  r = 1
+  while r * 2 * block <= _TILE and m % (r * 2) == 0:
+    r *= 2
+  return r
+
+
+def _vdtype(bits):
+  return jnp.int8 if bits == 8 else jnp.uint8
+
+
+def _packed(b, bits):
+  return b if bits == 8 else b // 2
+
+
+def quantize_rows(x_MxB: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+  """[M, B] -> (values [M, Bp], scales [M]); see `pallas_kernels.block_quant.quantize_rows`."""
+  require_gpu()
+  m, b = x_MxB.shape
+  r = _rows(m, b)
+  quantize, _ = _kernels()
+  out = (jax.ShapeDtypeStruct((m, _packed(b, bits)), _vdtype(bits)),
+         jax.ShapeDtypeStruct((m,), jnp.float32))
+  return _call(quantize, x_MxB, out=out, grid=(m // r,), N=1, G=1, S=1, NB=m, ROWS=r, B=b,
+               BITS=bits)
+
+
+def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
+  """[N, G, S, C] -> values [S, G, N, Cp], scales [S, G, N, C / block]."""
+  require_gpu()
+  n, g, s, c = x_NxGxSxC.shape
+  nb = c // block
+  r = _rows(nb, block)
+  quantize, _ = _kernels()
+  m = n * g * s * nb
+  out = (jax.ShapeDtypeStruct((m, _packed(block, bits)), _vdtype(bits)),
+         jax.ShapeDtypeStruct((m,), jnp.float32))
+  v, sc = _call(quantize, x_NxGxSxC.reshape(m, block), out=out, grid=(m // r,), N=n, G=g, S=s,
+                NB=nb, ROWS=r, B=block, BITS=bits)
+  return v.reshape(s, g, n, nb * _packed(block, bits)), sc.reshape(s, g, n, nb)
+
+
+def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype) -> jax.Array:
+  """[M, Bp], [M] -> [M, B] in `dtype`."""
+  require_gpu()
+  m, bp = v_MxBp.shape
+  b = bp if bits == 8 else 2 * bp
+  r = _rows(m, b)
+  _, dequant_sum = _kernels()
+  out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
+  y, _ = _call(dequant_sum, v_MxBp, s_M.astype(jnp.float32), out=out, grid=(m // r,), K=1, M=m,
+               ROWS=r, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
+  return y
+
+
+def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int,
+                              out_bits: int) -> tuple[jax.Array, jax.Array]:
+  """[K, M, Bp], [K, M] -> requantized sum (values [M, Bp'], scales [M])."""
+  require_gpu()
+  k, m, bp = v_KxMxBp.shape
+  b = bp if bits == 8 else 2 * bp
+  r = _rows(m, b)
+  _, dequant_sum = _kernels()
+  out = (jax.ShapeDtypeStruct((m, _packed(b, out_bits)), _vdtype(out_bits)),
+         jax.ShapeDtypeStruct((m,), jnp.float32))
+  return _call(dequant_sum, v_KxMxBp, s_KxM.astype(jnp.float32), out=out, grid=(m // r,), K=k,
+               M=m, ROWS=r, B=b, BITS=bits, OUT_BITS=out_bits, REQUANT=1)
+
+
+def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype) -> jax.Array:
+  """[K, M, Bp], [K, M] -> fp32 sum cast to `dtype`: [M, B]."""
+  require_gpu()
+  k, m, bp = v_KxMxBp.shape
+  b = bp if bits == 8 else 2 * bp
+  r = _rows(m, b)
+  _, dequant_sum = _kernels()
+  out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
+  y, _ = _call(dequant_sum, v_KxMxBp, s_KxM.astype(jnp.float32), out=out, grid=(m // r,), K=k,
+               M=m, ROWS=r, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
+  return y

@@ -1,0 +1,57 @@
+"""qgZ: 2-hop quantized all-to-all gradient reduction (ZeRO++ §3.3, §4.1.2).
+
+For a mesh of N nodes x G gpus (W = N·G) and an owner chunk of c elements (DESIGN.md, "qgZ step by
+step"): the local full gradient `[W*c]`, viewed `[N, G, c]` with owner (n', g') at [n', g'], is reordered
+to `[G, N, c]` (the paper's tensor-slice reordering, eq. 1 -> 2) and quantized; an all-to-all over `gpu`
+gives each GPU the G slabs `[N, c]` its node-mates hold for the owners (*, g); it dequantizes them, sums
+in fp32 and requantizes (the fused intra-node step); an all-to-all over `node` then gives each device the
+N partial sums of its own chunk, which it dequantizes and sums: `[c]`. Nothing is divided here: the
+result is the plain sum, like `psum_scatter`, and the executor divides by W once.
+
+The chunk is split into `stages` pipeline stages (Algorithm 2): each stage is an independent chain of
+collectives, so stage s+1's quantization can overlap stage s's communication. Blocks never cross a stage,
+so the result is identical for every number of stages.
+
+References:
+  ZeRO++: Wang et al. 2023, §3.3.2 (hierarchical all-to-all), §3.3.3 (tensor slice reordering),
+  §4.1.2 (Algorithm 2, pipelining), §4.2 (fused kernels).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zerojax import quantization as q
+
+
+def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tuple[int, ...], bits: int,
+                       block: int, stages: int = 1, backend: str | None = None) -> jax.Array:
+  """Sums the flat gradient `[W*c]` over `axes` and returns this device's chunk `[c]` (fp32).
+
+  Args:
+    grad_W_c: the local full gradient, owner-major over `axes`.
+    axes: ("node", "gpu") for the 2-hop reduction, or a single axis (e.g. MiCS's ("gpu",)).
+    sizes: sizes of `axes`.
+    bits, block: quantization of both hops.
+    stages: pipeline stages.
+    backend: quantization kernel backend.
+  """
+  if len(axes) == 1 or sizes[0] == 1:  # one node (or one axis): the inter-node hop disappears
+    k = sizes[-1]
+    v, s = q.quantize(grad_W_c, bits, block, backend=backend)
+    v = lax.all_to_all(v.reshape(k, -1), axes[-1], 0, 0, tiled=True)   # [k(from), c]
+    s = lax.all_to_all(s.reshape(k, -1), axes[-1], 0, 0, tiled=True)
+    return q.dequant_sum(v, s, bits, block, backend=backend)
+  nodes, gpus = sizes
+  v_SxGxNxc, s_SxGxNxb = q.reorder_quantize(grad_W_c, nodes, gpus, bits, block, stages=stages,
+                                            backend=backend)
+  out = []
+  for st in range(stages):
+    v = lax.all_to_all(v_SxGxNxc[st], "gpu", 0, 0, tiled=True)           # [G(from), N, c/S]
+    s = lax.all_to_all(s_SxGxNxb[st], "gpu", 0, 0, tiled=True)
+    v, s = q.dequant_sum_quantize(v, s, bits, block, backend=backend)  # [N, c/S]: node-local sums
+    v = lax.all_to_all(v, "node", 0, 0, tiled=True)                     # [N(from), c/S]
+    s = lax.all_to_all(s, "node", 0, 0, tiled=True)
+    out.append(q.dequant_sum(v, s, bits, block, backend=backend))       # [c/S]
+  return jnp.concatenate(out) if stages > 1 else out[0]

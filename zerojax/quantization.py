@@ -1,0 +1,311 @@
+"""Block-wise symmetric quantization for ZeRO++ communication (qwZ and qgZ).
+
+Format (DESIGN.md "Quantized formats"): the input is flattened in C order, zero-padded to a
+multiple of `block`, and cut into blocks of `block` contiguous elements. Each block has one fp32
+scale `absmax(block) / qmax` (qmax = 127 for int8, 7 for int4), rounded up to 17 significant bits,
+and codes `clip(round_half_even(x / scale), -qmax, qmax)`. int8 codes are stored as `int8`; int4
+codes are two's-complement nibbles packed two per `uint8`, element 2i in the LOW nibble and element
+2i+1 in the HIGH nibble. Dequantization is `code * scale` in fp32, cast to the requested dtype.
+
+Why 17 bits: a code has at most 7 significant bits, so `code * scale` is then exact in fp32.
+Compilers contract `acc + code * scale` into a fused multiply-add wherever their fusion decisions
+allow (XLA on CPU does), and with an exact product the FMA and the separate multiply-add round
+identically; sums of dequantized slabs are therefore the same bits in every backend, fused or not.
+Rounding up keeps |x / scale| <= qmax; the step grows by at most 2**-16 relative.
+
+Non-finite inputs: a block holding NaN or +-Inf gets scale = +inf and codes 0, so it dequantizes to
+NaN (0 * inf) and the step's non-finite check catches it; an all-zero block gets scale 0 and codes 0
+and dequantizes to exact zeros. Codes are 0 wherever the scale is 0 or not finite.
+
+Three backends compute the same arithmetic and agree bit for bit: "xla" (plain jnp, this file, the
+reference and the default), "pallas" (`pallas_kernels.block_quant`, interpreted on CPU) and
+"triton" (`pallas_kernels.triton_block_quant`, GPU only). Pick one per call with `backend=` or for
+the process with the environment variable ZEROJAX_KERNEL_BACKEND.
+
+References:
+  ZeRO++: Wang et al. 2023, §3.1 (block-based quantization), §3.3 (qgZ), §4.1.2 Algorithm 2
+  (generalized tensor slice reordering), §4.2 (fused kernels: reorder+quantize and
+  dequantize+reduce+quantize).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Backend = Literal["xla", "pallas", "triton"]
+BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
+ENV_VAR = "ZEROJAX_KERNEL_BACKEND"
+
+
+def default_backend() -> str:
+  """The backend used when a call passes `backend=None`: $ZEROJAX_KERNEL_BACKEND, else "xla"."""
+  name = os.environ.get(ENV_VAR, "").strip().lower() or "xla"
+  if name not in BACKENDS:
+    raise ValueError(f"{ENV_VAR}={name!r}; expected one of {BACKENDS}")
+  return name
+
+
+def qmax_of(bits: int) -> int:
+  """Largest code magnitude: 127 for int8, 7 for int4 (symmetric ranges, -128 and -8 unused)."""
+  if bits == 8:
+    return 127
+  if bits == 4:
+    return 7
+  raise ValueError(f"bits={bits}; only 8 and 4 are supported")
+
+
+def packed_len(elements: int, bits: int) -> int:
+  """Length of the stored value axis for `elements` codes."""
+  return elements if bits == 8 else elements // 2
+
+
+def _check(bits: int, block: int) -> None:
+  qmax_of(bits)
+  if not isinstance(block, int) or block <= 0:
+    raise ValueError(f"block={block!r}; expected a positive int")
+  if bits == 4 and block % 2:
+    raise ValueError(f"block={block} must be even for int4 (two codes per byte)")
+
+
+def _resolve(backend: str | None) -> str:
+  name = default_backend() if backend is None else backend
+  if name not in BACKENDS:
+    raise ValueError(f"backend={name!r}; expected one of {BACKENDS}")
+  if name == "triton":
+    from pallas_kernels import triton_block_quant
+    triton_block_quant.require_gpu()
+  return name
+
+
+def _kernels(name: str):
+  if name == "pallas":
+    from pallas_kernels import block_quant
+    return block_quant
+  from pallas_kernels import triton_block_quant
+  return triton_block_quant
+
+
+# --- the reference ("xla") arithmetic, on [rows, block] tiles ------------------------------------
+
+def trim_scale(scale: jax.Array) -> jax.Array:
+  """Rounds non-negative fp32 scales up to 17 significant bits (+inf and 0 stay as they are)."""
+  b = lax.bitcast_convert_type(scale, jnp.uint32)
+  b = (b + jnp.uint32(0x7F)) & jnp.uint32(0xFFFFFF80)
+  return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _quantize_rows(x_MxB: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+  """[M, B] floats -> (codes int32 [M, B], scales fp32 [M])."""
+  qmax = float(qmax_of(bits))
+  x = x_MxB.astype(jnp.float32)
+  # NaN -> inf so that the block's absmax (and scale) is inf whatever max does with NaN.
+  amax_M = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=1)
+  scale_M = trim_scale(amax_M / jnp.float32(qmax))
+  ok_M = (scale_M > 0) & (scale_M < jnp.inf)
+  q = jnp.clip(jnp.round(x / scale_M[:, None]), -qmax, qmax)
+  q = jnp.where(ok_M[:, None], q, 0.0)
+  return q.astype(jnp.int32), scale_M
+
+
+def _pack(codes: jax.Array, bits: int) -> jax.Array:
+  """int32 codes [..., L] -> stored values [..., L] int8 or [..., L/2] uint8 (even element low)."""
+  if bits == 8:
+    return codes.astype(jnp.int8)
+  pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2) & 0xF
+  return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint8)
+
+
+def _unpack(values: jax.Array, bits: int) -> jax.Array:
+  """Stored values [..., Lp] -> int32 codes [..., L]."""
+  if bits == 8:
+    return values.astype(jnp.int32)
+  b = values.astype(jnp.int32)
+  lo = ((b & 0xF) ^ 8) - 8
+  hi = (((b >> 4) & 0xF) ^ 8) - 8
+  return jnp.stack([lo, hi], axis=-1).reshape(*values.shape[:-1], values.shape[-1] * 2)
+
+
+def _dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int) -> jax.Array:
+  """[M, Bp] stored values, [M] scales -> fp32 [M, B]."""
+  return _unpack(v_MxBp, bits).astype(jnp.float32) * s_M.astype(jnp.float32)[:, None]
+
+
+def _sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int) -> jax.Array:
+  """Dequantizes K slabs and sums them in fp32, slab 0 first (a fixed order every backend uses)."""
+  acc = _dequantize_rows(v_KxMxBp[0], s_KxM[0], bits)
+  for k in range(1, v_KxMxBp.shape[0]):
+    acc = acc + _dequantize_rows(v_KxMxBp[k], s_KxM[k], bits)
+  return acc
+
+
+# --- public API -----------------------------------------------------------------------------------
+
+def quantize(x: jax.Array, bits: int, block: int, *,
+             backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
+  """Quantizes `x` block-wise.
+
+  Args:
+    x: array of any shape, fp32 or bf16; flattened in C order, zero-padded to a multiple of
+      `block`.
+    bits: 8 or 4.
+    block: elements per block (even for int4; a power of two for the GPU backends).
+    backend: "xla", "pallas", "triton" or None for `default_backend()`.
+
+  Returns:
+    (values, scales): int8 [n_pad] or packed uint8 [n_pad // 2], and fp32 [n_pad // block].
+
+  References:
+    ZeRO++ §3.1 (block-based quantization), §4.2 (quantization kernels).
+  """
+  _check(bits, block)
+  name = _resolve(backend)
+  flat = jnp.ravel(x)
+  n_pad = -(-flat.shape[0] // block) * block
+  if n_pad != flat.shape[0]:
+    flat = jnp.pad(flat, (0, n_pad - flat.shape[0]))
+  x_MxB = flat.reshape(n_pad // block, block)
+  if name == "xla":
+    codes, s_M = _quantize_rows(x_MxB, bits)
+    v_MxBp = _pack(codes, bits)
+  else:
+    v_MxBp, s_M = _kernels(name).quantize_rows(x_MxB, bits)
+  return v_MxBp.reshape(-1), s_M
+
+
+def dequantize(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
+               dtype=jnp.float32, size: int | None = None,
+               backend: Backend | None = None) -> jax.Array:
+  """Inverse of `quantize`: a flat array of length `size` (default n_pad) = code * scale.
+
+  `values` and `scales` may carry any leading shape; both are flattened in C order.
+
+  References:
+    ZeRO++ §3.1, §4.2 (dequantization kernels).
+  """
+  _check(bits, block)
+  name = _resolve(backend)
+  bp = packed_len(block, bits)
+  v_MxBp = jnp.ravel(values).reshape(-1, bp)
+  s_M = jnp.ravel(scales)
+  if s_M.shape[0] != v_MxBp.shape[0]:
+    raise ValueError(f"{s_M.shape[0]} scales for {v_MxBp.shape[0]} blocks of {block}")
+  if name == "xla":
+    out = _dequantize_rows(v_MxBp, s_M, bits).astype(dtype)
+  else:
+    out = _kernels(name).dequantize_rows(v_MxBp, s_M, bits, dtype)
+  out = out.reshape(-1)
+  return out if size is None else out[:size]
+
+
+def reorder_quantize(x: jax.Array, nodes: int, gpus: int, bits: int, block: int, *,
+                     stages: int = 1,
+                     backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
+  """qgZ tensor-slice reordering fused with quantization.
+
+  `x` is this device's full flat gradient [nodes * gpus * c]; owner (n, g) holds slice n * gpus + g.
+  The result is `x.reshape(nodes, gpus, stages, c / stages)` transposed to
+  (stages, gpus, nodes, c / stages) and quantized per block along the last axis, so that an
+  all-to-all over `gpu` splitting axis 1 (per stage) sends each GPU the slices it reduces intra-node
+  and, after the inter-node all-to-all, every owner ends with its own slice (paper eq. 1 -> 2).
+
+  Returns:
+    values [stages, gpus, nodes, c / stages] int8 (or [..., c / (2 * stages)] uint8 for int4) and
+    scales [stages, gpus, nodes, c / (stages * block)] fp32.
+
+  References:
+    ZeRO++ §3.3.3 (tensor slice reordering), §4.1.2 Algorithm 2 (generalized to pipeline stages),
+    §4.2 (reordering fused into the quantization kernel).
+  """
+  _check(bits, block)
+  name = _resolve(backend)
+  w = nodes * gpus
+  total = math.prod(x.shape)
+  if nodes <= 0 or gpus <= 0 or stages <= 0 or total % w:
+    raise ValueError(f"x of {total} elements does not split over nodes={nodes} x gpus={gpus}"
+                     f" (stages={stages})")
+  c = total // w
+  if c % (stages * block):
+    raise ValueError(f"owner chunk c={c} is not a multiple of stages * block = {stages} * {block}"
+                     f" = {stages * block}")
+  cs = c // stages
+  x_NxGxSxC = jnp.reshape(x, (nodes, gpus, stages, cs))
+  if name == "xla":
+    x_SxGxNxC = jnp.transpose(x_NxGxSxC, (2, 1, 0, 3))
+    codes, s_M = _quantize_rows(x_SxGxNxC.reshape(-1, block), bits)
+    v = _pack(codes, bits).reshape(stages, gpus, nodes, packed_len(cs, bits))
+    return v, s_M.reshape(stages, gpus, nodes, cs // block)
+  return _kernels(name).reorder_quantize(x_NxGxSxC, bits, block)
+
+
+def _slabs(values: jax.Array, scales: jax.Array, bits: int, block: int):
+  if values.ndim < 2 or scales.ndim != values.ndim:
+    raise ValueError(f"expected a leading slab axis on values {values.shape} and scales"
+                     f" {scales.shape}")
+  bp = packed_len(block, bits)
+  if values.shape[-1] % bp or scales.shape[:-1] != values.shape[:-1] \
+      or scales.shape[-1] != values.shape[-1] // bp:
+    raise ValueError(f"values {values.shape} and scales {scales.shape} disagree for"
+                     f" bits={bits}, block={block}")
+  k = values.shape[0]
+  return values.reshape(k, -1, bp), scales.reshape(k, -1)
+
+
+def dequant_sum_quantize(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
+                         out_bits: int | None = None,
+                         backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
+  """Fused intra-node step of qgZ: dequantize K slabs, sum in fp32, requantize the sum.
+
+  Args:
+    values: [K, ..., Lp] stored values (leading axis: the slabs received from the K peers).
+    scales: [K, ..., Lp_elements / block] fp32.
+    bits: bits of the input codes.
+    block: elements per block, for input and output.
+    out_bits: bits of the output codes (default `bits`).
+    backend: see `quantize`.
+
+  Returns:
+    (values, scales) with the leading K axis removed; the last axes follow `out_bits`.
+
+  References:
+    ZeRO++ §3.3.2 (hierarchical all-to-all), §4.2 (dequantization, reduction and quantization
+    fused in one kernel, 9x less memory traffic in qgZ).
+  """
+  out_bits = bits if out_bits is None else out_bits
+  _check(bits, block)
+  _check(out_bits, block)
+  name = _resolve(backend)
+  v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
+  if name == "xla":
+    codes, s_M = _quantize_rows(_sum_rows(v_KxMxBp, s_KxM, bits), out_bits)
+    v_M = _pack(codes, out_bits)
+  else:
+    v_M, s_M = _kernels(name).dequant_sum_quantize_rows(v_KxMxBp, s_KxM, bits, out_bits)
+  lead = values.shape[1:-1]
+  elements = values.shape[-1] // packed_len(block, bits) * block
+  return (v_M.reshape(*lead, packed_len(elements, out_bits)),
+          s_M.reshape(*lead, elements // block))
+
+
+def dequant_sum(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
+                dtype=jnp.float32, backend: Backend | None = None) -> jax.Array:
+  """Dequantizes K slabs and sums them in fp32: shape values.shape[1:] with the last axis unpacked.
+
+  This is the last step of qgZ (after the inter-node all-to-all).
+
+  References:
+    ZeRO++ §3.3.2, §4.2.
+  """
+  _check(bits, block)
+  name = _resolve(backend)
+  v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
+  if name == "xla":
+    out = _sum_rows(v_KxMxBp, s_KxM, bits).astype(dtype)
+  else:
+    out = _kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, dtype)
+  elements = values.shape[-1] // packed_len(block, bits) * block
+  return out.reshape(*values.shape[1:-1], elements)
