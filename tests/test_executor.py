@@ -29,7 +29,10 @@ def run(plan, mesh, opt, model=None, steps=3, accum=2, pad_multiple=1):
   return ex, state, params, losses
 
 
-@pytest.mark.parametrize("name", sorted(plans.PLANS))
+EXACT_PLANS = ["dp", "zero1", "zero2", "zero3", "mics"]  # nothing quantized
+
+
+@pytest.mark.parametrize("name", EXACT_PLANS)
 def test_plan_matches_single_device_grad(name, mesh):
   """3 steps, accumulation 2, 2 nodes x 4 gpus, clip + sgd-momentum + masked weight decay."""
   opt = helpers.optimizer("sgd")
