@@ -41,6 +41,7 @@ def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int
   if bits is None:
     buf_kxC = lax.all_gather(buf_C, axes, axis=0, tiled=False)
   else:
+    block = block or buf_C.shape[0]  # 0: one scale for the whole shard (non-blocked)
     v, s = quantization.quantize(buf_C, bits, block, backend=backend)
     v_kxV = lax.all_gather(v, axes, axis=0, tiled=False)
     s_kxS = lax.all_gather(s, axes, axis=0, tiled=False)

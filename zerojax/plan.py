@@ -46,7 +46,8 @@ class Plan:
     reduce_dtype: dtype gradients are reduced and accumulated in (fp32).
     weight_bits: qwZ (ZeRO++ §3.1): the forward all-gather moves block-quantized values of this many
       bits (8 or 4) and their scales; None gathers in `param_dtype`.
-    weight_block: elements per qwZ quantization block.
+    weight_block: elements per qwZ quantization block; 0 = one scale per shard (non-blocked, the
+      baseline of ZeRO++ §3.1 / Fig. 2).
     quantize_backward_gather: with qwZ and without hpZ, re-gather quantized in backward too (the
       backward then uses exactly the forward's dequantized weights).
     secondary_axes: hpZ (ZeRO++ §3.2): after a unit's forward keep only its secondary shard, the
@@ -54,7 +55,7 @@ class Plan:
       the node, `("gpu",)`); the backward all-gather runs over them only.
     grad_bits: qgZ (ZeRO++ §3.3): the gradient reduce-scatter becomes a 2-hop all-to-all of
       block-quantized values of this many bits (4 or 8): inside the node, then across nodes.
-    grad_block: elements per qgZ quantization block.
+    grad_block: elements per qgZ quantization block; 0 = one scale per slab (non-blocked).
     qgz_stages: qgZ pipeline stages (ZeRO++ §4.1.2, Algorithm 2); results do not depend on it.
     kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
   """
@@ -99,9 +100,12 @@ class Plan:
     for f, allowed in (("weight_bits", (None, 4, 8)), ("grad_bits", (None, 4, 8))):
       if getattr(self, f) not in allowed:
         raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)!r}; use one of {allowed}")
-    for f in ("weight_block", "grad_block", "qgz_stages"):
-      if getattr(self, f) < 1 or (f != "qgz_stages" and getattr(self, f) % 2):
-        raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)} must be a positive (even) integer")
+    for f in ("weight_block", "grad_block"):
+      if getattr(self, f) < 0 or getattr(self, f) % 2:
+        raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)} must be an even block size, or 0 for "
+                         "one scale per shard")
+    if self.qgz_stages < 1:
+      raise ValueError(f"plan {self.name!r}: qgz_stages={self.qgz_stages} must be at least 1")
     if self.weight_bits and not self.param_axes:
       raise ValueError(f"plan {self.name!r}: qwZ (weight_bits) quantizes the parameter all-gather, but "
                        "param_axes is empty; shard the parameters (e.g. zero3) or drop weight_bits")
@@ -120,11 +124,11 @@ class Plan:
   def alignment(self) -> int:
     """Leaves are padded to a multiple of (devices x alignment): quantization blocks never cross an
     owner chunk or a qgZ pipeline stage."""
-    blocks = [1]
+    blocks = [2]
     if self.weight_bits:
-      blocks.append(self.weight_block)
+      blocks.append(self.weight_block or 2)
     if self.grad_bits:
-      blocks.append(self.grad_block * self.qgz_stages)
+      blocks.append((self.grad_block or 2) * self.qgz_stages)
     return math.lcm(*blocks)
 
   def validate(self, mesh: Mesh) -> None:

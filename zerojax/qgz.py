@@ -18,6 +18,8 @@ References:
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -37,6 +39,8 @@ def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tup
     stages: pipeline stages.
     backend: quantization kernel backend.
   """
+  if not block:  # 0: one scale per slab (non-blocked)
+    block = grad_W_c.shape[0] // (math.prod(sizes) * stages)
   if len(axes) == 1 or sizes[0] == 1:  # one node (or one axis): the inter-node hop disappears
     k = sizes[-1]
     v, s = q.quantize(grad_W_c, bits, block, backend=backend)
