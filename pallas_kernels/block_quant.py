@@ -26,14 +26,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-# Elements per grid step: large in interpret mode (each step is a loop iteration on the host), a
+# Elements per grid step: in interpret mode as many as memory allows (each step is an iteration of
+# an XLA while loop that carries whole buffers; one step compiles to ordinary fused XLA), a
 # Triton-sized tile when compiled.
-_INTERPRET_TILE = 1 << 18
+_INTERPRET_TILE = 1 << 22
 _GPU_TILE = 1 << 12
 
 
 def interpret_mode() -> bool:
-  """True when kernels must run in the Pallas interpreter (the default device is not a GPU)."""
+  """True when kernels must run in the Pallas interpreter (the default device is the CPU)."""
   return jax.default_backend() == "cpu"
 
 

@@ -80,10 +80,11 @@ def _kernels():
                  TWO: tl.constexpr):
     # Codes of elements (TWO * col + LANE), or of element col when TWO == 1.
     if BITS == 8:
-      return tl.load(v_ptr + row[:, None] * BP + TWO * cols[None, :] + LANE).to(tl.int32)
-    b = tl.load(v_ptr + row[:, None] * BP + cols[None, :]).to(tl.int32)
-    n = (b >> (4 * LANE)) & 0xF
-    return (n ^ 8) - 8
+      q = tl.load(v_ptr + row[:, None] * BP + TWO * cols[None, :] + LANE).to(tl.int32)
+    else:
+      b = tl.load(v_ptr + row[:, None] * BP + cols[None, :]).to(tl.int32)
+      q = (((b >> (4 * LANE)) & 0xF) ^ 8) - 8
+    return q
 
   @triton.jit
   def _store_lane(o_ptr, row, cols, y, LANE: tl.constexpr, B: tl.constexpr, TWO: tl.constexpr):

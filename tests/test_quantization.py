@@ -120,6 +120,10 @@ def test_error_at_most_half_a_step(bits):
   v, s = Q.quantize(x, bits, BLOCK)
   err = jnp.abs(Q.dequantize(v, s, bits, BLOCK) - x).reshape(-1, BLOCK)
   assert bool(jnp.all(err <= s[:, None] / 2 * (1 + 2.0 ** -20)))
+  # Scales: absmax / qmax rounded up to 17 significant bits (so code * scale is exact).
+  exact = jnp.max(jnp.abs(x).reshape(-1, BLOCK), axis=1) / Q.qmax_of(bits)
+  assert np.all(_bits(s) & 0x7F == 0)
+  assert bool(jnp.all((s >= exact) & (s <= exact * (1 + 2.0 ** -16))))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -203,6 +207,23 @@ def test_dequant_sum_equals_unfused(bits):
     assert y.shape == (3, 2 * BLOCK)
     _assert_same(y.reshape(-1), total.astype(dtype))
     _assert_same(Q.dequant_sum(v, s, bits, BLOCK, dtype=dtype, backend="pallas"), y)
+
+
+def test_pallas_multi_step_grids(monkeypatch):
+  """Small tiles: every kernel runs a grid of many steps, exercising its index maps."""
+  from pallas_kernels import block_quant
+  monkeypatch.setattr(block_quant, "_INTERPRET_TILE", 2 * BLOCK)
+  v, s = _slabs(G, 4, shape=(2, 8 * BLOCK), seed=9)
+  x = _data(N * G * 4 * BLOCK, seed=10)
+  for backend in ("xla", "pallas"):
+    got = (Q.quantize(x, 4, BLOCK, backend=backend),
+           Q.reorder_quantize(x, N, G, 8, BLOCK, stages=2, backend=backend),
+           Q.dequant_sum_quantize(v, s, 4, BLOCK, out_bits=8, backend=backend),
+           Q.dequant_sum(v, s, 4, BLOCK, backend=backend))
+    if backend == "xla":
+      ref = got
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    _assert_same(a, b)
 
 
 def test_pallas_under_jit():

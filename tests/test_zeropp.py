@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax import collectives, plan as plans, qgz
+from zerojax import accounting, collectives, plan as plans, qgz
 from tests import helpers
 from tests.test_executor import run
 
@@ -140,3 +140,24 @@ def test_zeropp_plan_errors():
   with pytest.raises(ValueError, match="param_axes is empty"):
     plans.zero2(weight_bits=8)
   assert plans.zeropp(qgz_stages=2, grad_block=64).alignment == 256
+
+
+@pytest.mark.parametrize("group,secondary", [(2, ("gpu.member",)), (8, ("node.member", "gpu"))])
+def test_hpz_secondary_groups_smaller_or_larger_than_a_node(group, secondary):
+  """hpZ groups that divide a node or span whole nodes, on a factored mesh, train exactly like ZeRO-3,
+  and the backward all-gather runs over exactly the group."""
+  opt = helpers.optimizer("sgd")
+  ex3, s3, _, l3 = run(plans.zero3(param_dtype="float32"), zerojax.make_mesh(2, 4), opt)
+  mesh = zerojax.make_mesh(2, 4, secondary_group=group)
+  plan = plans.zeropp(weight_bits=None, grad_bits=None, secondary_axes=secondary, param_dtype="float32")
+  exh, sh, _, lh = run(plan, mesh, opt)
+  np.testing.assert_allclose(lh, l3, rtol=1e-6)
+  assert helpers.max_rel_diff(exh.logical_params(sh), ex3.logical_params(s3)) < 1e-6
+  assert exh.plan.param_axes == tuple(mesh.axis_names)
+  batch = jax.device_put(helpers.batches(1, 2)[0], exh.batch_sharding)
+  hlo = exh.step_fn().lower(sh, batch).compile().as_text()
+  gathers = [c for c in accounting.collectives_from_hlo(hlo, mesh) if c.op == "all-gather"]
+  sizes = sorted({len(g) for c in gathers for g in c.replica_groups})
+  assert sizes == sorted({group, 8}), sizes  # forward gathers over all 8, backward over the group
+  with pytest.raises(ValueError, match="secondary_group=3"):
+    zerojax.make_mesh(2, 4, secondary_group=3)

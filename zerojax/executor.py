@@ -74,6 +74,7 @@ class Executor:
 
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
                accum_steps: int = 1, pad_multiple: int = 1):
+    plan = plan.resolve(mesh)
     plan.validate(mesh)
     if accum_steps < 1:
       raise ValueError(f"accum_steps={accum_steps} must be at least 1")

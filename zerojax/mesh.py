@@ -14,8 +14,9 @@ from jax.sharding import Mesh
 AXES = ("node", "gpu")
 
 
-def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *, devices=None) -> Mesh:
-  """Builds the `("node", "gpu")` mesh.
+def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *, devices=None,
+              secondary_group: int | None = None) -> Mesh:
+  """Builds the `("node", "gpu")` mesh, optionally with one axis factored for hpZ groups.
 
   With several processes (one per host, `jax.process_count() > 1`) the node axis is the process axis
   and `gpu` enumerates each process's local devices; `num_nodes` must then equal the process count.
@@ -25,9 +26,14 @@ def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *,
     num_nodes: number of nodes; defaults to the process count (1 for a single process).
     gpus_per_node: devices per node; defaults to all devices divided by `num_nodes`.
     devices: devices to use (default `jax.devices()`).
+    secondary_group: devices per hpZ secondary group (ZeRO++ §3.2) when it is not one node. A divisor k
+      of `gpus_per_node` factors `gpu` into `("gpu.group", "gpu.member")` of sizes (G/k, k); a multiple
+      k of it factors `node` into `("node.group", "node.member")` of sizes (N·G/k, k/G). Plans name the
+      whole axis (`"gpu"`), which resolves to its factors (`Plan.resolve`); hpZ then uses
+      `secondary_axes=("gpu.member",)` or `("node.member", "gpu")`. Device order is unchanged.
 
   Returns:
-    A `jax.sharding.Mesh` with axes `("node", "gpu")`.
+    A `jax.sharding.Mesh` with axes `("node", "gpu")` (or their factors).
   """
   devices = list(jax.devices() if devices is None else devices)
   nprocs = len({d.process_index for d in devices})
@@ -47,7 +53,18 @@ def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *,
   if nprocs > 1 and num_nodes != nprocs:
     raise ValueError(f"with {nprocs} processes the node axis is the process axis: num_nodes must be "
                      f"{nprocs}, got {num_nodes}")
-  return Mesh(np.array(devices, dtype=object).reshape(num_nodes, gpus_per_node), AXES)
+  grid = np.array(devices, dtype=object).reshape(num_nodes, gpus_per_node)
+  k = secondary_group
+  if k is None or k == gpus_per_node:
+    return Mesh(grid, AXES)
+  if k > 0 and gpus_per_node % k == 0:
+    return Mesh(grid.reshape(num_nodes, gpus_per_node // k, k), ("node", "gpu.group", "gpu.member"))
+  if k > 0 and k % gpus_per_node == 0 and num_nodes % (k // gpus_per_node) == 0:
+    m = k // gpus_per_node
+    return Mesh(grid.reshape(num_nodes // m, m, gpus_per_node), ("node.group", "node.member", "gpu"))
+  raise ValueError(f"secondary_group={k} must divide the {gpus_per_node} devices of a node or be a whole "
+                   f"number of nodes dividing the {num_nodes} nodes (e.g. {gpus_per_node // 2 or 1} or "
+                   f"{2 * gpus_per_node})")
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,

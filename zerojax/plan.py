@@ -110,15 +110,16 @@ class Plan:
       raise ValueError(f"plan {self.name!r}: qwZ (weight_bits) quantizes the parameter all-gather, but "
                        "param_axes is empty; shard the parameters (e.g. zero3) or drop weight_bits")
     if self.secondary_axes is not None:
-      if not self.secondary_axes or not set(self.secondary_axes) <= set(self.param_axes):
+      within = lambda a: a in self.param_axes or a.split(".")[0] in self.param_axes
+      if not self.secondary_axes or not all(within(a) for a in self.secondary_axes):
         raise ValueError(f"plan {self.name!r}: hpZ secondary_axes={self.secondary_axes} must be a non-empty "
                          f"subset of param_axes={self.param_axes}, e.g. ('gpu',)")
     if self.grad_bits and not self.grad_axes:
       raise ValueError(f"plan {self.name!r}: qgZ (grad_bits) quantizes the gradient reduce-scatter, but "
                        "grad_axes is empty; shard the gradients (zero2/zero3/mics) or drop grad_bits")
-    if self.grad_bits and len(self.grad_order) == 2 and self.grad_order != AXES:
-      raise ValueError(f"plan {self.name!r}: qgZ reduces over {AXES} in node-major order; "
-                       f"grad axes {self.grad_order} are not")
+    if self.grad_bits and len(self.grad_order) > 1 and self.grad_order != AXES:
+      raise ValueError(f"plan {self.name!r}: qgZ reduces over {AXES} in node-major order (or over one "
+                       f"axis); grad axes {self.grad_order} are not (a factored mesh is not supported)")
 
   @property
   def alignment(self) -> int:
@@ -130,6 +131,20 @@ class Plan:
     if self.grad_bits:
       blocks.append((self.grad_block or 2) * self.qgz_stages)
     return math.lcm(*blocks)
+
+  def resolve(self, mesh: Mesh) -> "Plan":
+    """The plan on `mesh`'s own axes: a whole axis (`"gpu"`) the mesh factors (`"gpu.group"`,
+    `"gpu.member"`, see `make_mesh`) is replaced by its factors, major first."""
+    def expand(axes):
+      if axes is None:
+        return None
+      out = []
+      for a in axes:
+        parts = [m for m in mesh.axis_names if a not in mesh.axis_names and m.startswith(a + ".")]
+        out.extend(parts or [a])
+      return tuple(out)
+    fields = {f: expand(getattr(self, f)) for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes")}
+    return dataclasses.replace(self, **fields) if fields != {f: getattr(self, f) for f in fields} else self
 
   def validate(self, mesh: Mesh) -> None:
     """Raises if the plan names an axis the mesh does not have."""
