@@ -28,6 +28,26 @@ def _split_kxC(buf_kxC: jax.Array, chunks: list[int]) -> list[jax.Array]:
   return out
 
 
+def pack_wire(values: jax.Array, scales: jax.Array) -> jax.Array:
+  """Quantized values and their fp32 scales as one uint8 buffer `[..., V + 4 * S]`.
+
+  One collective then moves both (fewer, larger messages), and no floating-point data is on the wire:
+  the scales travel as raw bytes (bitcast, never converted or reduced).
+  """
+  v = lax.bitcast_convert_type(values, jnp.uint8) if values.dtype == jnp.int8 else values
+  s = lax.bitcast_convert_type(scales, jnp.uint8)  # [..., S, 4]
+  return jnp.concatenate([v, s.reshape(*scales.shape[:-1], -1)], axis=-1)
+
+
+def unpack_wire(buf: jax.Array, num_values: int, bits: int) -> tuple[jax.Array, jax.Array]:
+  """Inverse of `pack_wire`: `(values, scales)` from `[..., V + 4 * S]` uint8."""
+  v, s = buf[..., :num_values], buf[..., num_values:]
+  if bits == 8:
+    v = lax.bitcast_convert_type(v, jnp.int8)
+  s = lax.bitcast_convert_type(s.reshape(*s.shape[:-1], -1, 4), jnp.float32)
+  return v, s
+
+
 def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int | None = None,
                     block: int = 256, backend: str | None = None) -> list[jax.Array]:
   """Gathers each leaf's local chunk `[c_i]` over `axes` into its full flat array `[k * c_i]`.
@@ -43,8 +63,8 @@ def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int
   else:
     block = block or buf_C.shape[0]  # 0: one scale for the whole shard (non-blocked)
     v, s = quantization.quantize(buf_C, bits, block, backend=backend)
-    v_kxV = lax.all_gather(v, axes, axis=0, tiled=False)
-    s_kxS = lax.all_gather(s, axes, axis=0, tiled=False)
+    wire_kxW = lax.all_gather(pack_wire(v, s), axes, axis=0, tiled=False)
+    v_kxV, s_kxS = unpack_wire(wire_kxW, v.shape[0], bits)
     buf_kxC = quantization.dequantize(v_kxV, s_kxS, bits, block, dtype=buf_C.dtype,
                                       backend=backend).reshape(v_kxV.shape[0], -1)
   return _split_kxC(buf_kxC, [s.shape[0] for s in shards])

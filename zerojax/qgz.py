@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerojax import quantization as q
+from zerojax import collectives, quantization as q
+
+
+def _all_to_all(values, scales, axis: str, bits: int):
+  """One all-to-all (split and concat on axis 0) of values and scales packed as raw bytes."""
+  wire = lax.all_to_all(collectives.pack_wire(values, scales), axis, 0, 0, tiled=True)
+  return collectives.unpack_wire(wire, values.shape[-1], bits)
 
 
 def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tuple[int, ...], bits: int,
@@ -44,18 +50,15 @@ def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tup
   if len(axes) == 1 or sizes[0] == 1:  # one node (or one axis): the inter-node hop disappears
     k = sizes[-1]
     v, s = q.quantize(grad_W_c, bits, block, backend=backend)
-    v = lax.all_to_all(v.reshape(k, -1), axes[-1], 0, 0, tiled=True)   # [k(from), c]
-    s = lax.all_to_all(s.reshape(k, -1), axes[-1], 0, 0, tiled=True)
+    v, s = _all_to_all(v.reshape(k, -1), s.reshape(k, -1), axes[-1], bits)  # [k(from), c]
     return q.dequant_sum(v, s, bits, block, backend=backend)
   nodes, gpus = sizes
   v_SxGxNxc, s_SxGxNxb = q.reorder_quantize(grad_W_c, nodes, gpus, bits, block, stages=stages,
                                             backend=backend)
   out = []
   for st in range(stages):
-    v = lax.all_to_all(v_SxGxNxc[st], "gpu", 0, 0, tiled=True)           # [G(from), N, c/S]
-    s = lax.all_to_all(s_SxGxNxb[st], "gpu", 0, 0, tiled=True)
+    v, s = _all_to_all(v_SxGxNxc[st], s_SxGxNxb[st], "gpu", bits)      # [G(from), N, c/S]
     v, s = q.dequant_sum_quantize(v, s, bits, block, backend=backend)  # [N, c/S]: node-local sums
-    v = lax.all_to_all(v, "node", 0, 0, tiled=True)                     # [N(from), c/S]
-    s = lax.all_to_all(s, "node", 0, 0, tiled=True)
+    v, s = _all_to_all(v, s, "node", bits)                             # [N(from), c/S]
     out.append(q.dequant_sum(v, s, bits, block, backend=backend))       # [c/S]
   return jnp.concatenate(out) if stages > 1 else out[0]
