@@ -23,6 +23,7 @@ References:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -39,6 +40,7 @@ from zerojax import layout as layout_lib
 
 FORMAT = 1
 SEP = "/"
+STORED = ("step", "params", "opt_state", "skipped")  # the TrainState fields that are state, not derived
 
 
 class CheckpointError(ValueError):
@@ -97,6 +99,10 @@ class _Spec:
     params = [(_names(p), lay) for p, lay in jax.tree_util.tree_flatten_with_path(
         executor.layout.tree(), is_leaf=lambda x: isinstance(x, layout_lib.LeafLayout))[0]]
     by_path = dict(params)
+    fields = tuple(f.name for f in dataclasses.fields(shapes))
+    if sorted(fields) != sorted(STORED):
+      raise CheckpointError(f"TrainState has fields {fields} but checkpoints store {STORED}: add a new field "
+                            "to checkpoint.STORED if it is state, or rebuild it after `restore` if derived")
     leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes)
     axes = executor.plan.opt_order
     self.leaves = []
@@ -189,25 +195,25 @@ def state_from_logical(executor, tree: dict):
 
 
 def _check_compatible(spec: _Spec, saved: dict, where: str) -> None:
-  """Raises a `CheckpointError` listing every stored leaf that does not match the target run."""
+  """Raises a `CheckpointError` naming the stored leaves that do not match the target run."""
   want = spec.expected()
-  problems = []
-  for k in sorted(set(want) | set(saved)):
-    if k not in saved:
-      problems.append(f"{k}: expected {want[k][0]} {want[k][1]}, but the checkpoint has no such leaf")
-    elif k not in want:
-      problems.append(f"{k}: saved {saved[k][0]} {saved[k][1]}, but this run has no such leaf")
-    elif tuple(saved[k][0]) != want[k][0] or np.dtype(saved[k][1]) != want[k][1]:
-      problems.append(f"{k}: saved shape {tuple(saved[k][0])} {np.dtype(saved[k][1])}, expected shape "
-                      f"{want[k][0]} {want[k][1]}")
-  if problems:
-    opt_only = all(p.startswith("opt_state") for p in problems)
-    hint = ("the optimizer differs from the one the checkpoint was saved with" if opt_only else
-            "the model differs from the one the checkpoint was saved with")
-    shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
-    raise CheckpointError(f"checkpoint {where} does not match this run ({hint}; restore with the same "
-                          "model config and optimizer, only the mesh, process count and plan may change):\n  "
-                          + "\n  ".join(shown))
+  fmt = lambda sd: f"shape {tuple(sd[0])} {np.dtype(sd[1])}"
+  order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params"), k))  # params first
+  groups = [
+      [f"{k}: saved {fmt(saved[k])}, expected {fmt(want[k])}" for k in order(set(want) & set(saved))
+       if (tuple(saved[k][0]), np.dtype(saved[k][1])) != want[k]],
+      [f"{k}: expected {fmt(want[k])}, but the checkpoint has no such leaf" for k in order(set(want) - set(saved))],
+      [f"{k}: saved {fmt(saved[k])}, but this run has no such leaf" for k in order(set(saved) - set(want))]]
+  if not any(groups):
+    return
+  lines = []
+  for group in groups:
+    lines += group[:6] + ([f"... and {len(group) - 6} more like this"] if len(group) > 6 else [])
+  opt_only = all(line.startswith(("opt_state", "...")) for line in lines)
+  hint = "the optimizer differs from the one" if opt_only else "the model differs from the one"
+  raise CheckpointError(f"checkpoint {where} does not match this run ({hint} it was saved with; restore "
+                        "with the same model config and optimizer: only the mesh, the process count and the "
+                        "plan may change):\n  " + "\n  ".join(lines))
 
 
 def _saved_leaves(tree, prefix=()) -> dict:
@@ -237,13 +243,15 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int | None = 3, asynchronous: bool = True,
                read_only: bool = False):
     if max_to_keep is not None and max_to_keep < 1:
-      raise ValueError(f"max_to_keep={max_to_keep} must be at least 1 (or None to keep every checkpoint)")
+      raise ValueError(f"max_to_keep={max_to_keep} (train.keep_checkpoints in gin) must be at least 1, or "
+                       "None to keep every checkpoint")
     self.directory = os.path.abspath(directory)
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointError(f"checkpoint folder {self.directory} does not exist; pass the workdir of a run "
                             "that saved checkpoints, or its checkpoints/ folder")
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
+        max_to_keep=None if read_only else max_to_keep, save_interval_steps=0 if read_only else 1,
+        create=not read_only, read_only=read_only,
         cleanup_tmp_directories=not read_only, enable_async_checkpointing=asynchronous)
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
@@ -327,6 +335,12 @@ class Checkpointer:
     """Finishes pending saves and releases orbax's threads."""
     self._manager.close()
 
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
 
 def find_checkpoints(path: str) -> str:
   """The checkpoint folder of `path`: `path/checkpoints` for a workdir written by train.py, else `path`."""
@@ -358,9 +372,8 @@ def resume(executor, checkpointer: Checkpointer, restore_from: str | None = None
     state, meta = checkpointer.restore(executor)
     return Resumed(state, meta, checkpointer.directory)
   if restore_from:
-    source = Checkpointer(find_checkpoints(restore_from), read_only=True)
-    state, meta = source.restore(executor)
-    source.close()
+    with Checkpointer(find_checkpoints(restore_from), read_only=True) as source:
+      state, meta = source.restore(executor)
     return Resumed(state, meta, source.directory)
   return None
 
@@ -381,16 +394,24 @@ class StopSignal:
     self._flag = True
     signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
 
-  def __enter__(self) -> "StopSignal":
+  def install(self) -> "StopSignal":
+    """Installs the handler (only the main thread can; elsewhere signals keep their handlers)."""
     if threading.current_thread() is threading.main_thread():
       for s in self.signals:
         self._previous[s] = signal.signal(s, self._handle)
     return self
 
-  def __exit__(self, *exc) -> None:
+  def uninstall(self) -> None:
+    """Puts back the handlers that were installed before."""
     for s, h in self._previous.items():
       signal.signal(s, h)
     self._previous = {}
+
+  def __enter__(self) -> "StopSignal":
+    return self.install()
+
+  def __exit__(self, *exc) -> None:
+    self.uninstall()
 
   def requested(self) -> bool:
     if jax.process_count() == 1:

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from zerojax import data as data_lib
+from zerojax import checkpoint as checkpoint_lib, data as data_lib
 from zerojax.executor import Executor
 from zerojax.mesh import make_mesh
 from zerojax.models.gpt import GPTConfig, gpt
@@ -37,8 +37,22 @@ class NonFiniteError(RuntimeError):
   pass
 
 
-@gin.configurable(denylist=["workdir", "data"])
-def train(workdir: str, data: str | None = None, *, plan: Plan = gin.REQUIRED, steps: int = 200,
+def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
+          pad_multiple: int = 256, param_dtype: str | None = None) -> Executor:
+  """The executor `train` runs: the gin-configured GPT and optimizer under `plan` on a fresh mesh.
+
+  Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.accounting`.
+  """
+  if param_dtype is not None:
+    plan = dataclasses.replace(plan, param_dtype=param_dtype)
+  mesh = make_mesh(num_nodes or default_num_nodes())
+  return Executor(gpt(model_config()), make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
+                  pad_multiple=pad_multiple)
+
+
+@gin.configurable(denylist=["workdir", "data", "restore_from"])
+def train(workdir: str, data: str | None = None, restore_from: str | None = None, *, plan: Plan = gin.REQUIRED,
+          steps: int = 200, checkpoint_every: int = 100, keep_checkpoints: int = 3,
           batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
           eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
           max_consecutive_skips: int = 5, max_data_bytes: int = 64 * 2**20, pad_multiple: int = 256,
@@ -46,10 +60,15 @@ def train(workdir: str, data: str | None = None, *, plan: Plan = gin.REQUIRED, s
   """Trains the GPT model on byte-level text under `plan` and writes metrics to `workdir`.
 
   Args:
-    workdir: output folder: `metrics.jsonl` (one object per logged step) and `summary.json`.
+    workdir: output folder: `metrics.jsonl` (one object per logged step), `summary.json` and
+      `checkpoints/`; a run resumes from the latest checkpoint there.
     data: a text file or folder; default the running Python's standard library sources.
+    restore_from: a workdir or checkpoint folder to start from when `workdir` has no checkpoint (any
+      mesh, process count or plan; same model and optimizer). Never silently ignored.
     plan: the sharding plan (`@zero3()`, `@mics()`, ... in gin).
     steps: optimizer steps.
+    checkpoint_every: steps between checkpoints (0: only at the end and on SIGTERM).
+    keep_checkpoints: how many of the latest checkpoints to keep.
     batch_size: global micro-batch size (sequences), divisible by the number of devices.
     accum_steps: micro-batches per optimizer step.
     num_nodes: nodes of the mesh (default `default_num_nodes()`).
@@ -62,16 +81,22 @@ def train(workdir: str, data: str | None = None, *, plan: Plan = gin.REQUIRED, s
     The summary dict also written to `summary.json`.
   """
   cfg = model_config()
-  if param_dtype is not None:
-    plan = dataclasses.replace(plan, param_dtype=param_dtype)
-  mesh = make_mesh(num_nodes or default_num_nodes())
+  ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
+             param_dtype=param_dtype)
+  plan, mesh = ex.plan, ex.mesh
   if batch_size % mesh.size:
     raise ValueError(f"global batch size {batch_size} is not divisible by the {mesh.size} devices of the "
                      f"mesh; use a multiple of {mesh.size}")
   dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes, seq_len=cfg.seq_len)
-  ex = Executor(gpt(cfg), make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
-                pad_multiple=pad_multiple)
-  state = ex.init(jax.random.key(seed))
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=keep_checkpoints)
+  resumed = checkpoint_lib.resume(ex, ckpt, restore_from)
+  if resumed is not None:  # the data position is the step; the data order is the checkpoint's seed
+    seed, asked = resumed.meta.get("seed", seed), seed
+    if jax.process_index() == 0:
+      print(f"zerojax: restored step {int(resumed.state.step)} from {resumed.directory}"
+            + (f" (data seed {seed}; train.seed={asked} applies to new runs only)" if seed != asked else ""),
+            flush=True)
+  state = resumed.state if resumed is not None else ex.init(jax.random.key(seed))
   step_fn, eval_fn = ex.step_fn(), ex.eval_fn()
   eval_sharding = NamedSharding(mesh, P(ex.data_axes))
   held_out = [data_lib.device_put_batch(b, eval_sharding) for b in data_lib.eval_batches(
@@ -87,6 +112,7 @@ def train(workdir: str, data: str | None = None, *, plan: Plan = gin.REQUIRED, s
   bar = tqdm(total=steps, disable=not (lead and progress), dynamic_ncols=True)
   in_a_row, times, first_loss, loss, eval_loss = 0, [], None, float("nan"), None
   start_step = int(state.step)
+  stop = checkpoint_lib.StopSignal().install()
   for step in range(start_step, steps):
     batch = data_lib.global_batch(dataset.train, step, accum_steps=accum_steps, batch_size=batch_size,
                                   seq_len=cfg.seq_len, seed=seed)
@@ -112,6 +138,15 @@ def train(workdir: str, data: str | None = None, *, plan: Plan = gin.REQUIRED, s
       log.flush()
     bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_s=f"{dt:.3f}")
     bar.update(1)
+    preempted = stop.requested()
+    if (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == steps or preempted:
+      ckpt.save(ex, state, seed=seed)
+    if preempted:
+      if lead:
+        print(f"zerojax: stopped by SIGTERM after step {step + 1}; saved a checkpoint", flush=True)
+      break
+  stop.uninstall()
+  ckpt.close()
   bar.close()
   median = float(np.median(times)) if times else float("nan")
   summary = {"plan": plan.name, "mesh": dict(mesh.shape), "steps": steps, "first_loss": first_loss,
