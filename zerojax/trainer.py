@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from zerojax import checkpoint as checkpoint_lib, data as data_lib
 from zerojax.executor import Executor
+from zerojax.memory import memory_report
 from zerojax.mesh import make_mesh
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax.optim import make_optimizer
@@ -38,14 +39,15 @@ class NonFiniteError(RuntimeError):
 
 
 def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
-          pad_multiple: int = 256, param_dtype: str | None = None) -> Executor:
+          pad_multiple: int = 256, param_dtype: str | None = None,
+          secondary_group: int | None = None) -> Executor:
   """The executor `train` runs: the gin-configured GPT and optimizer under `plan` on a fresh mesh.
 
   Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.accounting`.
   """
   if param_dtype is not None:
     plan = dataclasses.replace(plan, param_dtype=param_dtype)
-  mesh = make_mesh(num_nodes or default_num_nodes())
+  mesh = make_mesh(num_nodes or default_num_nodes(), secondary_group=secondary_group)
   return Executor(gpt(model_config()), make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
                   pad_multiple=pad_multiple)
 
@@ -56,7 +58,8 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
           batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
           eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
           max_consecutive_skips: int = 5, max_data_bytes: int = 64 * 2**20, pad_multiple: int = 256,
-          param_dtype: str | None = None, progress: bool = True) -> dict:
+          param_dtype: str | None = None, secondary_group: int | None = None, export: bool = False,
+          progress: bool = True) -> dict:
   """Trains the GPT model on byte-level text under `plan` and writes metrics to `workdir`.
 
   Args:
@@ -76,13 +79,15 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     max_consecutive_skips: stop after this many steps in a row with non-finite loss or gradients.
     pad_multiple: leaves are padded to a multiple of devices x this (the quantization block).
     param_dtype: overrides the plan's parameter dtype on the wire and in compute (None keeps it).
+    secondary_group: devices per hpZ group when it is not one node (factors the mesh, see `make_mesh`).
+    export: write the final logical parameters to `workdir/params.npz`.
 
   Returns:
     The summary dict also written to `summary.json`.
   """
   cfg = model_config()
   ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
-             param_dtype=param_dtype)
+             param_dtype=param_dtype, secondary_group=secondary_group)
   plan, mesh = ex.plan, ex.mesh
   if batch_size % mesh.size:
     raise ValueError(f"global batch size {batch_size} is not divisible by the {mesh.size} devices of the "
@@ -108,6 +113,7 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     os.makedirs(workdir, exist_ok=True)
     log = open(os.path.join(workdir, "metrics.jsonl"), "a")
     print(f"zerojax: plan={plan.name} mesh={dict(mesh.shape)} data={dataset.source}", flush=True)
+    print(f"zerojax: model-state bytes per device {json.dumps(memory_report(ex)['expected'])}", flush=True)
   tokens_per_step = batch_size * accum_steps * cfg.seq_len
   bar = tqdm(total=steps, disable=not (lead and progress), dynamic_ncols=True)
   in_a_row, times, first_loss, loss, eval_loss = 0, [], None, float("nan"), None
@@ -147,12 +153,14 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
       break
   stop.uninstall()
   ckpt.close()
+  if export:
+    checkpoint_lib.export_params(ex, state, os.path.join(workdir, "params.npz"))
   bar.close()
   median = float(np.median(times)) if times else float("nan")
   summary = {"plan": plan.name, "mesh": dict(mesh.shape), "steps": steps, "first_loss": first_loss,
              "final_loss": loss, "final_eval_loss": eval_loss, "skipped_steps": int(state.skipped),
              "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if times else None,
-             "data": dataset.source}
+             "data": dataset.source, "memory_bytes_per_device": memory_report(ex)["expected"]}
   if lead:
     log.close()
     with open(os.path.join(workdir, "summary.json"), "w") as f:
