@@ -42,7 +42,9 @@ class Plan:
     param_axes: A_p, mesh axes the parameters (P) are sharded over between layers.
     grad_axes: A_g ⊇ A_p, mesh axes the accumulated gradient (G) is sharded over.
     opt_axes: A_os ⊇ A_g, mesh axes the fp32 master weights and optimizer states are sharded over.
-    param_dtype: dtype of the parameters on the wire and in compute (bf16 = mixed precision).
+    param_dtype: dtype of the parameters on the wire (and in compute unless `compute_dtype` is set).
+    compute_dtype: dtype the gathered parameters are cast to before the unit's computation (None:
+      `param_dtype`). E.g. bf16 on the wire with fp32 compute, faster than bf16 math on CPUs.
     reduce_dtype: dtype gradients are reduced and accumulated in (fp32).
     weight_bits: qwZ (ZeRO++ §3.1): the forward all-gather moves block-quantized values of this many
       bits (8 or 4) and their scales; None gathers in `param_dtype`.
@@ -65,6 +67,7 @@ class Plan:
   opt_axes: tuple[str, ...] = AXES
   param_dtype: str = "bfloat16"
   reduce_dtype: str = "float32"
+  compute_dtype: str | None = None
   weight_bits: int | None = None
   weight_block: int = 256
   quantize_backward_gather: bool = True
@@ -89,7 +92,9 @@ class Plan:
       raise ValueError(f"plan {self.name!r}: shard axes must nest, params {self.param_axes} ⊆ grads "
                        f"{self.grad_axes} ⊆ optimizer states {self.opt_axes}; a component cannot be "
                        "sharded over an axis its successor is replicated over")
-    for f in ("param_dtype", "reduce_dtype"):
+    for f in ("param_dtype", "reduce_dtype", "compute_dtype"):
+      if getattr(self, f) is None:
+        continue
       try:
         jnp.dtype(getattr(self, f))
       except TypeError:

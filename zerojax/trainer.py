@@ -39,7 +39,7 @@ class NonFiniteError(RuntimeError):
 
 
 def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
-          pad_multiple: int = 256, param_dtype: str | None = None,
+          pad_multiple: int = 256, param_dtype: str | None = None, compute_dtype: str | None = None,
           secondary_group: int | None = None) -> Executor:
   """The executor `train` runs: the gin-configured GPT and optimizer under `plan` on a fresh mesh.
 
@@ -47,6 +47,8 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
   """
   if param_dtype is not None:
     plan = dataclasses.replace(plan, param_dtype=param_dtype)
+  if compute_dtype is not None:
+    plan = dataclasses.replace(plan, compute_dtype=compute_dtype)
   mesh = make_mesh(num_nodes or default_num_nodes(), secondary_group=secondary_group)
   return Executor(gpt(model_config()), make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
                   pad_multiple=pad_multiple)
@@ -58,7 +60,8 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
           batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
           eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
           max_consecutive_skips: int = 5, max_data_bytes: int = 64 * 2**20, pad_multiple: int = 256,
-          param_dtype: str | None = None, secondary_group: int | None = None, export: bool = False,
+          param_dtype: str | None = None, compute_dtype: str | None = None,
+          secondary_group: int | None = None, export: bool = False,
           progress: bool = True) -> dict:
   """Trains the GPT model on byte-level text under `plan` and writes metrics to `workdir`.
 
@@ -79,6 +82,7 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     max_consecutive_skips: stop after this many steps in a row with non-finite loss or gradients.
     pad_multiple: leaves are padded to a multiple of devices x this (the quantization block).
     param_dtype: overrides the plan's parameter dtype on the wire and in compute (None keeps it).
+    compute_dtype: overrides the plan's compute dtype (None keeps it).
     secondary_group: devices per hpZ group when it is not one node (factors the mesh, see `make_mesh`).
     export: write the final logical parameters to `workdir/params.npz`.
 
@@ -87,7 +91,7 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
   """
   cfg = model_config()
   ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
-             param_dtype=param_dtype, secondary_group=secondary_group)
+             param_dtype=param_dtype, compute_dtype=compute_dtype, secondary_group=secondary_group)
   plan, mesh = ex.plan, ex.mesh
   if batch_size % mesh.size:
     raise ValueError(f"global batch size {batch_size} is not divisible by the {mesh.size} devices of the "

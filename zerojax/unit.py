@@ -77,7 +77,9 @@ def _gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
 
 
 def _tree(meta: UnitMeta, flats: list) -> Any:
-  return jax.tree.unflatten(meta.treedef, [f[:l.size].reshape(l.shape) for f, l in zip(flats, meta.leaves)])
+  dtype = meta.plan.compute_dtype or meta.plan.param_dtype
+  return jax.tree.unflatten(meta.treedef, [f[:l.size].reshape(l.shape).astype(dtype)
+                                           for f, l in zip(flats, meta.leaves)])
 
 
 def _secondary_shards(meta: UnitMeta, flats: list) -> list:
