@@ -2,7 +2,7 @@
 
 `collectives_from_hlo` reads the optimized HLO text of a compiled program
 (`jax.jit(f).lower(...).compile().as_text()`) and returns one `Collective` per collective instruction;
-`summarize` totals them per op and mesh axes, split into intra-node and cross-node bytes.
+`summarize` totals them per op, mesh axes and role, split into intra-node and cross-node bytes.
 
 Algorithm model. Every collective is charged as a ring algorithm over its replica group. For a group of
 `k` devices and a per-device full buffer of `B` bytes, each device sends
@@ -14,11 +14,19 @@ Algorithm model. Every collective is charged as a ring algorithm over its replic
   collective-permute  B for each device that sends to another device
 
 Sizes of tuple operands (collectives XLA combined into one instruction) are added up. Numbers are
-averaged over all devices of the mesh. The cross-node part is the fraction of a device's peers in its
-group that sit on another node (another coordinate along `node_axis`): 0 for groups inside a node, all
-of it for groups that span only the node axis, and e.g. 4/7 for a group of 2 nodes x 4 devices. This is
-a flat ring's share; hierarchical implementations (reduce inside the node first) send less across
-nodes.
+averaged over all devices of the mesh. Two cross-node figures (another coordinate along `node_axis`):
+
+  * `cross_node_bytes_per_device`, the uniform-peer model: the fraction of a device's peers in its
+    group that sit on another node: 0 for groups inside a node, all of it for groups that span only
+    the node axis, and e.g. 4/7 for a group of 2 nodes x 4 devices. Exact for all-to-all and
+    collective-permute; for ring collectives it is what a ring in a random device order would send.
+  * `node_egress_bytes`, the ring-order model: bytes each node sends to other nodes, with every ring
+    collective run as one ring in its group's listed order (node-major for the mesh's groups, as
+    NCCL's and gloo's rings are). A group over n nodes crosses a node boundary on n of its k ring
+    edges, each carrying (k-1)/k * B (twice for all-reduce), so a flat all-gather of the model over
+    2 nodes x 4 devices costs each node 7/8 M rather than 4 devices x 4/7 x 7/8 M. This is ZeRO++
+    Table 1's model and what a node's link counters measure (gloo's reduce-scatter is halving-doubling
+    plus a bit-reversal exchange: 3/4 instead of 7/8 of B_in on 2 nodes x 4 devices).
 
 Reading the HLO:
   * Async pairs (`all-gather-start`/`-done`, `all-reduce-start`, `collective-permute-start`, and
@@ -38,14 +46,25 @@ Rewrites undone (the HLO's own op and element type stay in `hlo_op` and `hlo_dty
     GPU would send them.
   * An all-reduce whose only use is a dynamic-slice keeping 1/k of it (the SPMD partitioner's
     reduce-scatter, which GPU backends turn back into one) is reported as a reduce-scatter.
+  (So a bf16 step run on CPU sends twice the bytes counted here; configs/base.gin's fp32 does not.)
+
+Train steps. `step_collectives(executor)` compiles an `Executor`'s train step for abstract inputs;
+every collective gets a role (`label_roles`: forward / backward all-gather, gradient reduction, replica
+sync, parameter update gather, metrics), and `step_report` lays the step out as ZeRO++ Table 1 relative
+to M = parameters x 2 bytes. From the shell:
+
+  python -m zerojax.accounting --gin_file configs/zero3.gin [--gin_param ...] [--mesh 2x4] [--dump_hlo F]
+  python -m zerojax.accounting --hlo step.hlo --mesh 2x4 [--model-bytes M] [--list]
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import dataclasses
+import inspect
 import json
 import math
+import os
 import re
 import sys
 
@@ -78,6 +97,10 @@ class Collective:
     hlo_op: the op as written in the HLO (differs from `op` for a recognized rewrite).
     hlo_dtype: the element type in the HLO (differs from `dtype` for an undone promotion).
     count: executions per program run (trip counts of enclosing loops; 1 when unknown).
+    node_egress_bytes: bytes each node sends to other nodes per execution (mean over nodes) under the
+      ring-order model; what ZeRO++ Table 1 counts and a node's link counters measure.
+    op_name: the JAX source path from the HLO metadata (`.../jvp()/...`, `.../transpose(jvp())/...`).
+    role: what the collective does in a train step (see `ROLES` and `label_roles`).
   """
   op: str
   dtype: str
@@ -92,6 +115,9 @@ class Collective:
   hlo_op: str = ""
   hlo_dtype: str = ""
   count: int = 1
+  node_egress_bytes: float = 0.0
+  op_name: str = ""
+  role: str = ""
 
 
 @dataclasses.dataclass
@@ -388,14 +414,19 @@ def _dtype(shape: str) -> str | None:
 def _narrow_source(mod: _Module, comp: str, name: str) -> str | None:
   """The narrower float type that value `name` was up-converted from, if it is such a convert."""
   instr = mod.by_name[comp].get(name)
-  if instr is None:
-    return None
-  if instr.opcode == "fusion":
-    root = mod.callee_root(instr)
-    if root is None:
+  for _ in range(64):  # through fusions and pure data movement (e.g. bitcast(convert(x)))
+    if instr is None:
       return None
-    comp, instr = root
-  if instr.opcode != "convert":
+    if instr.opcode == "fusion":
+      root = mod.callee_root(instr)
+      if root is None:
+        return None
+      comp, instr = root
+    elif instr.opcode in ("bitcast", "reshape", "copy") and instr.operands:
+      instr = mod.by_name[comp].get(instr.operands[0])
+    else:
+      break
+  if instr is None or instr.opcode != "convert":
     return None
   src, dst = mod.shape_of(comp, instr.operands[0]), _dtype(instr.shape)
   src = src and _dtype(src)
@@ -459,7 +490,7 @@ def collectives_from_hlo(hlo_text: str, mesh, *, node_axis: str = "node") -> lis
     hlo_text: `jax.jit(f).lower(...).compile().as_text()` of a program sharded over `mesh`.
     mesh: the `jax.sharding.Mesh` (or an `AbstractMesh` of the same shape); HLO device positions are
       positions in `mesh.devices.flat`.
-    node_axis: the mesh axis whose coordinate tells nodes apart.
+    node_axis: the mesh axis whose coordinate tells nodes apart (with its factors `node_axis.*`).
 
   Returns:
     One `Collective` per collective instruction (async pairs once), in text order. See the module
@@ -476,8 +507,11 @@ def collectives_from_hlo(hlo_text: str, mesh, *, node_axis: str = "node") -> lis
   if replicas * partitions != len(ids):
     raise ValueError(f"the HLO runs on {replicas * partitions} devices but the mesh has {len(ids)}")
   coords = np.array(np.unravel_index(np.arange(len(ids)), shape)).T
-  node_dim = names.index(node_axis) if node_axis in names else None
-  out = []
+  # The node of a device: its coordinates along `node_axis` or its factors (`node.group`, `node.member`).
+  node_dims = [d for d, a in enumerate(names) if a == node_axis or a.startswith(node_axis + ".")]
+  node_ids = np.ravel_multi_index(tuple(coords[:, d] for d in node_dims), [shape[d] for d in node_dims]) \
+      if node_dims else np.zeros(len(ids), int)
+  out, feeds_forward = [], []
   for comp, instrs in mod.comps.items():
     for instr in instrs:
       start = instr.opcode.endswith("-start")
@@ -504,7 +538,7 @@ def collectives_from_hlo(hlo_text: str, mesh, *, node_axis: str = "node") -> lis
         sliced = _sliced_result(mod, comp, value, groups, out_arrays)
         if sliced:
           op, out_arrays = "reduce-scatter", sliced
-      bytes_, cross = _ring_bytes(op, groups, in_arrays, out_arrays, dtype, coords, node_dim)
+      bytes_, cross, egress = _ring_bytes(op, groups, in_arrays, out_arrays, dtype, node_ids)
       spanned = {d for g in groups for d in range(len(names)) if len({coords[i][d] for i in g}) > 1}
       out.append(Collective(
           op=op,
@@ -516,12 +550,15 @@ def collectives_from_hlo(hlo_text: str, mesh, *, node_axis: str = "node") -> lis
           computation=mod.home(comp),
           bytes_per_device=bytes_,
           cross_node_bytes_per_device=cross,
+          node_egress_bytes=egress,
           name=instr.name,
           hlo_op=hlo_op,
           hlo_dtype=hlo_dtypes,
           count=mod.count(comp),
+          op_name=_op_name(instr.attrs),
       ))
-  return out
+      feeds_forward.append(value is not None and _feeds_forward(mod, comp, value))
+  return label_roles(out, feeds_forward)
 
 
 def _operands_and_results(mod: _Module, comp: str, instr: _Instr, value: _Instr | None, op: str):
@@ -559,18 +596,24 @@ def _sliced_result(mod: _Module, comp: str, value: _Instr, groups, out_arrays):
   return None
 
 
-def _ring_bytes(op, groups, in_arrays, out_arrays, dtype, coords, node_dim) -> tuple[float, float]:
-  """Bytes sent per device (mean over the mesh) and their cross-node part."""
-  n = len(coords)
-  total = cross = 0.0
+def _ring_bytes(op, groups, in_arrays, out_arrays, dtype, node_ids) -> tuple[float, float, float]:
+  """Bytes sent per device (mean over the mesh), their cross-node part, and bytes leaving a node.
+
+  The last is under the ring-order model (module docstring): a ring collective crosses a node boundary
+  on the ring edges between consecutive group members on different nodes; all-to-all and
+  collective-permute send every byte straight to its destination.
+  """
+  n, nodes = len(node_ids), len(set(node_ids.tolist()))
+  node_of = lambda i: int(node_ids[i])  # noqa: E731
+  total = cross = egress = 0.0
   if op == "collective-permute":
     size = _nbytes(in_arrays, dtype)
     for src, dst in groups:
       if src != dst:
         total += size
-        if node_dim is not None and coords[src][node_dim] != coords[dst][node_dim]:
+        if node_of(src) != node_of(dst):
           cross += size
-    return float(total / n), float(cross / n)
+    return float(total / n), float(cross / n), float(cross / nodes)
   size = _nbytes(out_arrays if op == "all-gather" else in_arrays, dtype)
   for g in groups:
     k = len(g)
@@ -578,10 +621,106 @@ def _ring_bytes(op, groups, in_arrays, out_arrays, dtype, coords, node_dim) -> t
       continue
     sent = (2 if op == "all-reduce" else 1) * (k - 1) / k * size
     total += k * sent
-    if node_dim is not None:
-      per_node = collections.Counter(int(coords[i][node_dim]) for i in g)
-      cross += sum(sent * c * (k - c) / (k - 1) for c in per_node.values())
-  return float(total / n), float(cross / n)
+    per_node = collections.Counter(node_of(i) for i in g)
+    group_cross = sum(sent * c * (k - c) / (k - 1) for c in per_node.values())
+    cross += group_cross
+    if op == "all-to-all":
+      egress += group_cross
+    else:
+      edges = sum(node_of(g[j]) != node_of(g[(j + 1) % k]) for j in range(k))
+      egress += edges * sent
+  return float(total / n), float(cross / n), float(egress / nodes)
+
+
+# ------------------------------------------------------------------------------------------------- roles
+
+ROLES = ("forward all-gather", "backward all-gather", "gradient reduction", "replica sync",
+         "parameter update gather", "metrics", "other")
+
+
+def _op_name(attrs: str) -> str:
+  m = re.search(r'op_name="([^"]*)"', attrs)
+  return m.group(1) if m else ""
+
+
+def _role(c: Collective) -> str:
+  scalars = all(math.prod(dims) <= 1 for dims in c.operand_shapes)
+  if c.op == "all-reduce" and scalars:
+    return "metrics"
+  name = c.op_name
+  backward = "transpose(" in name
+  forward = _forward(name)
+  in_step = "shard_map" in name
+  if not name:  # no metadata: only what the op itself implies
+    return "gradient reduction" if c.op in ("reduce-scatter", "all-to-all") else "other"
+  if c.op == "all-gather":
+    if forward or backward:
+      return "forward all-gather" if forward else "backward all-gather"
+    return "parameter update gather" if in_step else "other"
+  if backward or (c.op == "reduce-scatter" and in_step):
+    return "gradient reduction"
+  if c.op == "all-reduce" and in_step:
+    return "replica sync"
+  return "other"
+
+
+def _forward(op_name: str) -> bool:
+  return "jvp(" in op_name and "transpose(" not in op_name
+
+
+def _feeds_forward(mod: _Module, comp: str, value: _Instr, depth: int = 16) -> bool:
+  """Whether the result reaches, through instructions without a source path, forward-pass code."""
+  frontier, seen = [value], {value.name}
+  for _ in range(depth):
+    nxt = []
+    for instr in frontier:
+      for user in mod.users[comp].get(instr.name, []):
+        name = _op_name(user.attrs)
+        if name and _forward(name):
+          return True
+        if not name and user.name not in seen:
+          seen.add(user.name)
+          nxt.append(user)
+    frontier = nxt
+  return False
+
+
+def label_roles(collectives: list[Collective], feeds_forward: list[bool] | None = None) -> list[Collective]:
+  """Labels each collective with its role in a train step of the executor (one of `ROLES`).
+
+  The role comes from the JAX source path in the HLO metadata: the forward pass of `value_and_grad`
+  runs under `jvp(...)`, the backward under `transpose(jvp(...))`, the executor's own collectives
+  (parameter gather before the micro-batches, boundary reduce-scatter, replica all-reduce) inside the
+  `shard_map` but outside both, and the gradient norm outside the `shard_map`:
+
+    forward all-gather       all-gather under jvp (ZeRO-3 / qwZ weight gather)
+    backward all-gather      all-gather under transpose (ZeRO-3 re-gather, hpZ secondary gather)
+    gradient reduction       reduce-scatter / all-to-all in backward (ZeRO-2/3, qgZ), or the
+                             reduce-scatter at the accumulation boundary (ZeRO-1)
+    replica sync             all-reduce of gradients over the replica axes (DP, MiCS)
+    parameter update gather  all-gather of the updated master shard into the parameter shard
+    metrics                  all-reduce of scalars only (mean loss, gradient norm)
+    other                    anything else
+
+  A backward all-gather whose result also feeds forward-pass code has been merged by XLA with its
+  identical forward twin (the CPU pipeline drops optimization barriers before CSE, so a unit whose
+  forward and backward run back to back, like the GPT head, gathers once): it is sent once, in
+  forward, and labelled "forward all-gather". Without metadata only reduce-scatters and all-to-alls
+  (gradient reduction) and all-reduces of scalars (metrics) are labelled.
+
+  Args:
+    collectives: as found in one program, with `op_name` filled in.
+    feeds_forward: per collective, whether its result feeds forward-pass code (see above).
+
+  Returns:
+    The collectives with `role` set, in the same order.
+  """
+  feeds_forward = feeds_forward or [False] * len(collectives)
+  roles = []
+  for c, fwd in zip(collectives, feeds_forward):
+    role = _role(c)
+    roles.append("forward all-gather" if role == "backward all-gather" and fwd else role)
+  return [dataclasses.replace(c, role=r) for c, r in zip(collectives, roles)]
 
 
 # --------------------------------------------------------------------------------------------- summaries
@@ -597,47 +736,191 @@ def summarize(collectives, *, model_bytes: float | None = None) -> dict:
     model_bytes: the model's size M in bytes; adds `*_over_model` ratios to every entry.
 
   Returns:
-    A JSON-ready dict: `total`, `by_op` (op -> entry) and `by_op_axes` (op -> "node,gpu" -> entry),
-    each entry with `count`, `bytes_per_device`, `intra_node_bytes_per_device` and
-    `cross_node_bytes_per_device`; plus `model_bytes` when given.
+    A JSON-ready dict: `total`, `by_op` (op -> entry), `by_op_axes` (op -> "node,gpu" -> entry) and
+    `by_role` (role -> entry, for labelled collectives), each entry with `count`, `bytes_per_device`,
+    `intra_node_bytes_per_device`, `cross_node_bytes_per_device` and `node_egress_bytes` (see the
+    module docstring); plus `model_bytes` when given.
   """
   def entry():
     return {"count": 0, "bytes_per_device": 0.0, "intra_node_bytes_per_device": 0.0,
-            "cross_node_bytes_per_device": 0.0}
+            "cross_node_bytes_per_device": 0.0, "node_egress_bytes": 0.0}
 
-  total, by_op, by_op_axes = entry(), {}, {}
+  total, by_op, by_op_axes, by_role = entry(), {}, {}, {}
   for c in collectives:
     axes = ",".join(c.axes) or "-"
-    for e in (total, by_op.setdefault(c.op, entry()), by_op_axes.setdefault(c.op, {}).setdefault(axes, entry())):
+    entries = [total, by_op.setdefault(c.op, entry()), by_op_axes.setdefault(c.op, {}).setdefault(axes, entry())]
+    if c.role:
+      entries.append(by_role.setdefault(c.role, entry()))
+    for e in entries:
       e["count"] += c.count
       e["bytes_per_device"] += c.count * c.bytes_per_device
       e["cross_node_bytes_per_device"] += c.count * c.cross_node_bytes_per_device
       e["intra_node_bytes_per_device"] += c.count * (c.bytes_per_device - c.cross_node_bytes_per_device)
-  out = {"total": total, "by_op": by_op, "by_op_axes": by_op_axes}
+      e["node_egress_bytes"] += c.count * c.node_egress_bytes
+  out = {"total": total, "by_op": by_op, "by_op_axes": by_op_axes, "by_role": by_role}
   if model_bytes:
-    entries = [total, *by_op.values(), *(e for d in by_op_axes.values() for e in d.values())]
+    entries = [total, *by_op.values(), *(e for d in by_op_axes.values() for e in d.values()), *by_role.values()]
     for e in entries:
-      for key in ("bytes_per_device", "intra_node_bytes_per_device", "cross_node_bytes_per_device"):
+      for key in ("bytes_per_device", "intra_node_bytes_per_device", "cross_node_bytes_per_device",
+                  "node_egress_bytes"):
         e[key + "_over_model"] = e[key] / model_bytes
     out["model_bytes"] = model_bytes
   return out
 
 
+# ------------------------------------------------------------------------------------------ train steps
+
+TABLE1_ROLES = ("forward all-gather", "backward all-gather", "gradient reduction")
+
+
+def step_hlo(executor, batch_shape: tuple[int, int, int] | None = None) -> str:
+  """Lowers and compiles `executor.step_fn()` for abstract inputs; returns the optimized HLO text.
+
+  Args:
+    executor: a `zerojax.Executor`.
+    batch_shape: `[accum_steps, global_batch, seq_len + 1]`; default one 1-token sequence per device.
+      The collectives of a data-parallel step do not depend on it; pass the real shape to compile
+      exactly the program that trains.
+  """
+  state = jax.eval_shape(executor.init, jax.random.key(0))
+  state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
+                       executor.shardings(state))
+  batch_shape = tuple(batch_shape or (executor.accum_steps, executor.world, 2))
+  executor.check_batch(batch_shape)
+  batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=executor.batch_sharding)
+  return executor.step_fn().lower(state, batch).compile().as_text()
+
+
+def step_collectives(executor, batch_shape: tuple[int, int, int] | None = None, *,
+                     hlo_text: str | None = None) -> list[Collective]:
+  """The collectives of one compiled train step of `executor`, with roles (see `step_hlo`).
+
+  Args:
+    executor: a `zerojax.Executor`.
+    batch_shape: see `step_hlo`.
+    hlo_text: the step's optimized HLO when already compiled (skips compiling).
+
+  Returns:
+    One `Collective` per collective instruction; `count` is executions per optimizer step.
+  """
+  return collectives_from_hlo(hlo_text or step_hlo(executor, batch_shape), executor.mesh)
+
+
+def model_parameters(executor) -> int:
+  """Number of model parameters (without the layout's padding)."""
+  return sum(leaf.size * (leaf.layers or 1) for leaf in executor.layout.leaves)
+
+
+def step_report(executor, collectives: list[Collective]) -> dict:
+  """JSON-ready accounting of one train step, relative to M = model parameters x 2 bytes.
+
+  Returns:
+    `model_parameters`, `model_bytes` (M), `nodes`, `gpus_per_node`; `collectives` (each also with
+    `step_*` figures: per execution x `count`); `summary` (`summarize`, with `by_role`); `table1`:
+    ZeRO++ Table 1's columns (forward all-gather, backward all-gather, gradient reduction) and the
+    step's total, each as bytes a node sends to other nodes per step (`node_egress_bytes`, ring-order
+    model), as a multiple of M (`over_model`), and under the uniform-peer model per device; and
+    `cross_node_bytes_per_node`: the step's total `node_egress_bytes`, the figure a node's link
+    counters measure.
+  """
+  sizes = dict(zip(executor.mesh.axis_names, executor.mesh.devices.shape))
+  m = 2.0 * model_parameters(executor)
+  listed = []
+  for c in collectives:
+    d = dataclasses.asdict(c)
+    d["step_bytes_per_device"] = c.count * c.bytes_per_device
+    d["step_cross_node_bytes_per_device"] = c.count * c.cross_node_bytes_per_device
+    d["step_node_egress_bytes"] = c.count * c.node_egress_bytes
+    listed.append(d)
+  summary = summarize(collectives, model_bytes=m)
+  table = {}
+  for role in TABLE1_ROLES + ("total",):
+    e = summary["total"] if role == "total" else summary["by_role"].get(role, {})
+    egress = e.get("node_egress_bytes", 0.0)
+    table[role] = {"count": e.get("count", 0), "node_egress_bytes": egress, "over_model": egress / m,
+                   "cross_node_bytes_per_device": e.get("cross_node_bytes_per_device", 0.0)}
+  return {
+      "model_parameters": model_parameters(executor), "model_bytes": m,
+      "nodes": sizes.get("node", 1), "gpus_per_node": sizes.get("gpu", 1),
+      "collectives": listed, "summary": summary, "table1": table,
+      "cross_node_bytes_per_node": summary["total"]["node_egress_bytes"],
+  }
+
+
+def _gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):
+  """Parses the gin config as `train.py` does and builds its executor; returns it with `train`'s args."""
+  import gin
+
+  from zerojax import gin_registry, trainer  # noqa: F401  (registers the gin configurables)
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  gin.add_config_file_search_path(root)
+  for f in gin_files:
+    if not os.path.exists(f) and not os.path.exists(os.path.join(root, f)):
+      raise FileNotFoundError(f"--gin_file {f!r} does not exist (configs are in configs/)")
+  gin.parse_config_files_and_bindings([f if os.path.exists(f) else os.path.join(root, f) for f in gin_files],
+                                      gin_params)
+  args = {k: v.default for k, v in inspect.signature(trainer.train).parameters.items()
+          if v.default is not inspect.Parameter.empty}
+  args.update(gin.get_bindings(trainer.train))
+  if args.get("plan", gin.REQUIRED) is gin.REQUIRED:
+    raise ValueError("the gin config sets no plan; bind train.plan (e.g. include configs/zero3.gin)")
+  shared = [k for k in inspect.signature(trainer.build).parameters if k not in ("plan", "num_nodes") and k in args]
+  ex = trainer.build(args["plan"], nodes, **{k: args[k] for k in shared})
+  return ex, args, trainer.model_config()
+
+
+def _set_cpu_devices(n: int) -> None:
+  """Asks for `n` CPU devices when the backend has not started yet (no-op otherwise)."""
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:
+    pass
+
+
 def main(argv=None) -> None:
-  """`python -m zerojax.accounting --hlo FILE --mesh 2x4`: prints the JSON summary of an HLO dump."""
+  """Prints the JSON accounting of an HLO dump (`--hlo`) or of a gin config's train step (`--gin_file`)."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-  parser.add_argument("--hlo", required=True, help="optimized HLO text file ('-' for stdin)")
-  parser.add_argument("--mesh", required=True, help="NODESxGPUS, e.g. 2x4 (axes 'node', 'gpu')")
-  parser.add_argument("--model-bytes", type=float, default=None, help="model size M in bytes")
-  parser.add_argument("--list", action="store_true", help="also list every collective")
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--hlo", help="optimized HLO text file ('-' for stdin)")
+  source.add_argument("--gin_file", action="append", help="gin config of train.py (repeatable)")
+  parser.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. train.accum_steps=2")
+  parser.add_argument("--mesh", default=None, help="NODESxGPUS, e.g. 2x4 (axes 'node', 'gpu'); default 2x4 "
+                      "for --gin_file")
+  parser.add_argument("--model-bytes", type=float, default=None, help="model size M in bytes (--hlo)")
+  parser.add_argument("--list", action="store_true", help="also list every collective (--hlo)")
+  parser.add_argument("--dump_hlo", default=None, help="also write the compiled step's HLO here (--gin_file)")
   args = parser.parse_args(argv)
-  nodes, gpus = (int(v) for v in args.mesh.lower().split("x"))
-  mesh = jax.sharding.AbstractMesh((nodes, gpus), ("node", "gpu"))
-  text = sys.stdin.read() if args.hlo == "-" else open(args.hlo).read()
-  found = collectives_from_hlo(text, mesh)
-  out = summarize(found, model_bytes=args.model_bytes)
-  if args.list:
-    out["collectives"] = [dataclasses.asdict(c) for c in found]
+  if args.hlo and args.mesh is None:
+    parser.error("--hlo needs --mesh NODESxGPUS")
+  try:
+    nodes, gpus = (int(v) for v in (args.mesh or "2x4").lower().split("x"))
+  except ValueError:
+    parser.error(f"--mesh {args.mesh!r} is not NODESxGPUS, e.g. 2x4")
+  if args.hlo:
+    mesh = jax.sharding.AbstractMesh((nodes, gpus), ("node", "gpu"))
+    text = sys.stdin.read() if args.hlo == "-" else open(args.hlo).read()
+    found = collectives_from_hlo(text, mesh)
+    out = summarize(found, model_bytes=args.model_bytes)
+    if args.list:
+      out["collectives"] = [dataclasses.asdict(c) for c in found]
+  else:
+    _set_cpu_devices(nodes * gpus)
+    if jax.device_count() < nodes * gpus:
+      raise SystemExit(f"a {nodes}x{gpus} mesh needs {nodes * gpus} devices, but jax has {jax.device_count()}")
+    ex, train_args, cfg = _gin_executor(args.gin_file, args.gin_param, nodes)
+    if ex.mesh.size != nodes * gpus:
+      raise SystemExit(f"the mesh is {dict(ex.mesh.shape)}, not {nodes}x{gpus}; run with exactly "
+                       f"{nodes * gpus} devices")
+    text = step_hlo(ex, (ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1))
+    if args.dump_hlo:
+      with open(args.dump_hlo, "w") as f:
+        f.write(text)
+    out = {"config": {"gin_files": args.gin_file, "gin_params": args.gin_param, "plan": ex.plan.name,
+                      "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "param_dtype": ex.plan.param_dtype,
+                      "reduce_dtype": ex.plan.reduce_dtype, "accum_steps": ex.accum_steps,
+                      "batch_size": train_args["batch_size"], "seq_len": cfg.seq_len}}
+    out.update(step_report(ex, step_collectives(ex, hlo_text=text)))
   json.dump(out, sys.stdout, indent=2)
   sys.stdout.write("\n")
 
