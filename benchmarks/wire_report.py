@@ -89,6 +89,33 @@ def rows(report: dict) -> list[dict]:
   return out
 
 
+def _bits_per_s(rate: str) -> float | None:
+  units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+  for u, f in units.items():
+    if rate.lower().endswith(u):
+      return float(rate[:-len(u)]) * f
+  return None  # unshaped
+
+
+def crossover(report: dict, plan: str = "zeropp") -> dict | None:
+  """Link speed at which `plan` and ZeRO-3 take equally long, from t = C + 8·B / rate per plan.
+
+  C (the step's time without the wire) is fitted per plan as the mean of t - 8·B/rate over the measured
+  rates, B being the measured cross-node bytes per step; unshaped runs count with an infinite rate.
+  """
+  fits = {}
+  for p in ("zero3", plan):
+    pts = [(r["median_step_time_s"], r["cross_node_payload_bytes_per_step_per_node"], _bits_per_s(r["rate"]))
+           for r in report["runs"] if r["plan"] == p]
+    if not pts:
+      return None
+    c = sum(t - (8 * b / bps if bps else 0.0) for t, b, bps in pts) / len(pts)
+    fits[p] = (c, sum(b for _, b, _ in pts) / len(pts))
+  (c3, b3), (cp, bp) = fits["zero3"], fits[plan]
+  rate = 8 * (b3 - bp) / (cp - c3) if cp > c3 else float("inf")
+  return {"plan": plan, "compute_s": {"zero3": c3, plan: cp}, "crossover_bits_per_s": rate}
+
+
 def markdown(report: dict) -> str:
   fmt = lambda x, f: "–" if x is None else format(x, f)  # noqa: E731
   lines = [
@@ -124,6 +151,13 @@ def markdown(report: dict) -> str:
       cells = " | ".join(f"{t[k]['over_model']:.3f} M" for k in
                          ("forward all-gather", "backward all-gather", "gradient reduction", "total"))
       lines.append(f"| {plan} | {cells} |")
+  x = crossover(report)
+  if x:
+    rate = x["crossover_bits_per_s"]
+    lines += ["", f"Fitting t = C + 8·B/rate per plan: C = {x['compute_s']['zero3']:.3f} s (ZeRO-3) and "
+              f"{x['compute_s']['zeropp']:.3f} s (ZeRO++); ZeRO++ is faster below a link speed of "
+              + ("any rate (its C is not larger)" if rate == float("inf") else f"about {rate / 1e9:.2f} Gbit/s")
+              + " (the crossover)."]
   lines += ["", f"![wire report]({os.path.basename(report['png'])})", "", END]
   return "\n".join(lines)
 
