@@ -28,6 +28,17 @@ def _split_kxC(buf_kxC: jax.Array, chunks: list[int]) -> list[jax.Array]:
   return out
 
 
+def all_gather_raw(x: jax.Array, axes, **kw) -> jax.Array:
+  """`lax.all_gather` that moves 16-bit floats as raw 16-bit words.
+
+  A gather only moves data, so bf16/fp16 travel as uint16 bit patterns: XLA's CPU backend would otherwise
+  widen 16-bit float collectives to fp32 and send twice the bytes.
+  """
+  if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+    return lax.all_gather(x, axes, **kw)
+  return lax.bitcast_convert_type(lax.all_gather(lax.bitcast_convert_type(x, jnp.uint16), axes, **kw), x.dtype)
+
+
 def pack_wire(values: jax.Array, scales: jax.Array) -> jax.Array:
   """Quantized values and their fp32 scales as one uint8 buffer `[..., V + 4 * S]`.
 
@@ -59,7 +70,7 @@ def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int
     return list(shards)
   buf_C = jnp.concatenate(shards)
   if bits is None:
-    buf_kxC = lax.all_gather(buf_C, axes, axis=0, tiled=False)
+    buf_kxC = all_gather_raw(buf_C, axes, axis=0, tiled=False)
   else:
     block = block or buf_C.shape[0]  # 0: one scale for the whole shard (non-blocked)
     v, s = quantization.quantize(buf_C, bits, block, backend=backend)

@@ -27,7 +27,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import layout as layout_lib
+from zerojax import collectives, layout as layout_lib
 from zerojax.plan import Plan
 from zerojax.unit import ShardedUnit, UnitMeta
 
@@ -141,7 +141,8 @@ class Executor:
     cast = lambda m: m.astype(self.plan.param_dtype)
     if not to_p:
       return jax.tree.map(cast, master)
-    return jax.tree.map(lambda m: lax.all_gather(cast(m), to_p, axis=m.ndim - 1, tiled=True), master)
+    return jax.tree.map(lambda m: collectives.all_gather_raw(cast(m), to_p, axis=m.ndim - 1, tiled=True),
+                        master)
 
   def _local_grads(self, master, batch):
     """shard_map body: master shard (over A_os) and local batch -> reduced gradient shard, mean loss."""
