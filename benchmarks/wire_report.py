@@ -155,9 +155,10 @@ def markdown(report: dict) -> str:
   if x:
     rate = x["crossover_bits_per_s"]
     lines += ["", f"Fitting t = C + 8·B/rate per plan: C = {x['compute_s']['zero3']:.3f} s (ZeRO-3) and "
-              f"{x['compute_s']['zeropp']:.3f} s (ZeRO++); ZeRO++ is faster below a link speed of "
-              + ("any rate (its C is not larger)" if rate == float("inf") else f"about {rate / 1e9:.2f} Gbit/s")
-              + " (the crossover)."]
+              f"{x['compute_s']['zeropp']:.3f} s (ZeRO++); "
+              + ("ZeRO++ is faster at every link speed: its C is not larger, so there is no crossover."
+                 if rate == float("inf") else
+                 f"ZeRO++ is faster below a link speed of about {rate / 1e9:.2f} Gbit/s (the crossover).")]
   lines += ["", f"![wire report]({os.path.basename(report['png'])})", "", END]
   return "\n".join(lines)
 
