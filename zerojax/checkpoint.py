@@ -97,7 +97,7 @@ class _Spec:
     shapes = jax.eval_shape(executor._init_from_flat, executor._flat_shapes())
     self.shardings = executor.shardings(shapes)
     params = [(_names(p), lay) for p, lay in jax.tree_util.tree_flatten_with_path(
-        executor.layout.tree(), is_leaf=lambda x: isinstance(x, layout_lib.LeafLayout))[0]]
+        executor.layout.tree(), is_leaf=layout_lib.is_layout)[0]]
     by_path = dict(params)
     fields = tuple(f.name for f in dataclasses.fields(shapes))
     if sorted(fields) != sorted(STORED):

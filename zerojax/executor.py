@@ -91,7 +91,7 @@ class Executor:
     self._metas = {}
     tree = self.layout.tree()
     for u in tree:
-      leaves, treedef = jax.tree.flatten(tree[u], is_leaf=lambda x: isinstance(x, layout_lib.LeafLayout))
+      leaves, treedef = jax.tree.flatten(tree[u], is_leaf=layout_lib.is_layout)
       self._metas[u] = UnitMeta(plan, sizes, treedef, tuple(leaves))
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
@@ -108,9 +108,8 @@ class Executor:
     return TrainState(step=rep, params=params, opt_state=opt, skipped=rep)
 
   def _flat_shapes(self):
-    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(((l.layers,) if l.layers else ()) + (l.padded,),
-                                                       jnp.float32),
-                        self.layout.tree(), is_leaf=lambda x: isinstance(x, layout_lib.LeafLayout))
+    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), self.layout.tree(),
+                        is_leaf=layout_lib.is_layout)
 
   def _init_from_flat(self, flat):
     check_elementwise(self.optimizer, flat)
@@ -149,9 +148,8 @@ class Executor:
     plan = self.plan
     p_shards = self._param_shards(master)
     k_g = math.prod(dict(zip(self.mesh.axis_names, self.mesh.devices.shape))[a] for a in plan.grad_axes)
-    zeros_g = jax.tree.map(
-        lambda l: jnp.zeros(((l.layers,) if l.layers else ()) + (l.padded // k_g,), plan.reduce_dtype),
-        self.layout.tree(), is_leaf=lambda x: isinstance(x, layout_lib.LeafLayout))
+    zeros_g = jax.tree.map(lambda l: jnp.zeros(l.flat_shape(k_g), plan.reduce_dtype), self.layout.tree(),
+                           is_leaf=layout_lib.is_layout)
 
     def micro(acc, tokens):
       loss, g = jax.value_and_grad(lambda s: self.model.loss(self._units(p_shards, s), tokens))(zeros_g)

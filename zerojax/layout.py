@@ -31,6 +31,10 @@ class LeafLayout:
   def size(self) -> int:
     return math.prod(self.shape)
 
+  def flat_shape(self, shards: int = 1) -> tuple[int, ...]:
+    """Shape of the flat padded leaf, or of one of `shards` equal chunks of its last axis."""
+    return ((self.layers,) if self.layers is not None else ()) + (self.padded // shards,)
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -65,7 +69,7 @@ def make_layout(params: dict, scanned: frozenset[str] | set[str], multiple: int)
   return Layout(treedef, tuple(leaves))
 
 
-def _is_layout(x) -> bool:
+def is_layout(x) -> bool:
   return isinstance(x, LeafLayout)
 
 
@@ -90,7 +94,7 @@ def spec(lay: LeafLayout, axes: tuple[str, ...]) -> P:
 
 
 def specs(layout: Layout, axes: tuple[str, ...]):
-  return jax.tree.map(lambda l: spec(l, axes), layout.tree(), is_leaf=_is_layout)
+  return jax.tree.map(lambda l: spec(l, axes), layout.tree(), is_leaf=is_layout)
 
 
 def to_flat(params: dict, layout: Layout, mesh: Mesh, axes: tuple[str, ...], dtype=jnp.float32) -> dict:

@@ -93,9 +93,7 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
   ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
              param_dtype=param_dtype, compute_dtype=compute_dtype, secondary_group=secondary_group)
   plan, mesh = ex.plan, ex.mesh
-  if batch_size % mesh.size:
-    raise ValueError(f"global batch size {batch_size} is not divisible by the {mesh.size} devices of the "
-                     f"mesh; use a multiple of {mesh.size}")
+  ex.check_batch((accum_steps, batch_size, cfg.seq_len + 1))  # fail before loading any data
   dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes, seq_len=cfg.seq_len)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=keep_checkpoints)
   resumed = checkpoint_lib.resume(ex, ckpt, restore_from)
