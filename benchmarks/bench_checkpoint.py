@@ -24,9 +24,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import zerojax  # noqa: E402
-from zerojax import checkpoint  # noqa: E402
+from zerojax.train import checkpoint  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
-from zerojax.optim import make_optimizer  # noqa: E402
+from zerojax.train.optim import make_optimizer  # noqa: E402
 
 
 def folder_bytes(path):

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import zerojax  # noqa: E402
 from zerojax import plan as plans  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
-from zerojax.optim import make_optimizer  # noqa: E402
+from zerojax.train.optim import make_optimizer  # noqa: E402
 
 VARIANTS = {
     "zero3": lambda **kw: plans.zero3(**kw),

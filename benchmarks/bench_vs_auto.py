@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import zerojax  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
-from zerojax.optim import make_optimizer  # noqa: E402
+from zerojax.train.optim import make_optimizer  # noqa: E402
 
 
 def fsdp_spec(shape, n):

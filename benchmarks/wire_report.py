@@ -1,6 +1,6 @@
-"""Wire report: every plan x link speed on an emulated cluster, measured bytes against the accounting.
+"""Wire report: every plan x link speed on an emulated cluster, measured bytes against the analysis.
 
-For each plan, `python -m zerojax.accounting` predicts the bytes each node sends to other nodes per step
+For each plan, `python -m zerojax.cli.account` predicts the bytes each node sends to other nodes per step
 (ring-order model); for each plan and link rate, `benchmarks/cluster.py` runs `train.py` on N namespaced
 nodes x G CPU devices and measures step time and the bytes that crossed each node's link. Writes a
 markdown table into `benchmarks/RESULTS.md` (between `<!-- wire-report -->` and `<!-- /wire-report -->`),
@@ -45,7 +45,7 @@ def _run_json(cmd: list[str], what: str) -> dict:
 
 
 def account(plan: str, args) -> dict:
-  cmd = [sys.executable, "-m", "zerojax.accounting", f"--gin_file=configs/{plan}.gin",
+  cmd = [sys.executable, "-m", "zerojax.cli.account", "--json", f"--gin_file=configs/{plan}.gin",
          f"--mesh={args.nodes}x{args.devices}", *[f"--gin_param={p}" for p in args.gin_param]]
   rep = _run_json(cmd, f"accounting of {plan}")
   return {"model_parameters": rep["model_parameters"], "model_bytes": rep["model_bytes"],
@@ -128,7 +128,7 @@ def markdown(report: dict) -> str:
       f"shared with other work (load average {report['load_before']} before, {report['load_after']} after), "
       "so step times are noisy; the bytes are not.", "",
       "Cross-node bytes are per node per step: *measured* = frames sent on the node's link minus 66 header "
-      "bytes per frame; *accounted* = `python -m zerojax.accounting` on the compiled step (ring-order "
+      "bytes per frame; *accounted* = `python -m zerojax.cli.account` on the compiled step (ring-order "
       "model, `node_egress_bytes`). Ratios are to ZeRO-3 at the same rate.", "",
       "| link | plan | step time (s) | tokens/s | speedup vs ZeRO-3 | measured MB/step | accounted MB/step "
       "| measured / accounted | measured vs ZeRO-3 | accounted vs ZeRO-3 |",

@@ -16,7 +16,8 @@ jax.config.update("jax_num_cpu_devices", 4)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import zerojax  # noqa: E402
-from zerojax import checkpoint, plan as plans  # noqa: E402
+from zerojax import plan as plans  # noqa: E402
+from zerojax.train import checkpoint  # noqa: E402
 from tests.test_checkpoint import STEPS, make_executor  # noqa: E402
 
 

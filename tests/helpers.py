@@ -5,7 +5,7 @@ import numpy as np
 import optax
 
 from zerojax.models.gpt import GPTConfig, gpt
-from zerojax.optim import decay_mask
+from zerojax.train.optim import decay_mask
 
 TINY = GPTConfig(seq_len=16, d_model=32, num_heads=2, num_layers=2)
 
@@ -51,3 +51,30 @@ def max_rel_diff(a, b):
   """Largest |a - b| / max|b| over the leaves of two pytrees."""
   return max(jax.tree.leaves(jax.tree.map(
       lambda x, y: float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-12)), a, b)))
+
+
+def capture_grads() -> optax.GradientTransformation:
+  """An "optimizer" that applies no update and keeps the last gradient it was given as its state."""
+  return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
+                                      lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
+
+
+def sharded_grads(plan, mesh, model, params, batch):
+  """The gradient one executor step hands to the optimizer, in the model's shapes, and the metrics."""
+  import zerojax
+  from zerojax import layout as layout_lib
+  ex = zerojax.Executor(model, capture_grads(), plan, mesh, accum_steps=batch.shape[0])
+  state, m = ex.step_fn()(ex.init_from_params(params), jax.device_put(batch, ex.batch_sharding))
+  return layout_lib.to_logical(state.opt_state, ex.layout), m
+
+
+def reference_grads(model, params, batch):
+  """Single-device `jax.grad` of the mean loss over the micro-batches of `batch`."""
+  return jax.jit(jax.grad(lambda p: jnp.mean(jax.vmap(lambda t: model.loss(p, t))(batch))))(params)
+
+
+def rel_l2(a, b):
+  """||a - b|| / ||b|| over all leaves of two pytrees: the whole gradient's relative error."""
+  num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  den = sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(b))
+  return (num / den) ** 0.5

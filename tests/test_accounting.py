@@ -9,8 +9,8 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax import accounting
-from zerojax.accounting import collectives_from_hlo, parse_replica_groups, summarize
+from zerojax.analysis import collectives_from_hlo, parse_replica_groups, summarize
+from zerojax.cli import account
 
 GPU_GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))
 NODE_GROUPS = ((0, 4), (1, 5), (2, 6), (3, 7))
@@ -291,7 +291,7 @@ def test_summarize(mesh):
 def test_cli(tmp_path, capsys):
   path = tmp_path / "step.hlo"
   path.write_text(ASYNC_HLO)
-  accounting.main(["--hlo", str(path), "--mesh", "2x4", "--model-bytes", "2048", "--list"])
+  account.main(["--hlo", str(path), "--mesh", "2x4", "--model_bytes", "2048", "--json"])
   out = json.loads(capsys.readouterr().out)
   assert out["total"]["count"] == 4
   assert out["by_op"]["reduce-scatter"]["bytes_per_device_over_model"] == pytest.approx(7 / 8)

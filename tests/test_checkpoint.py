@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax import checkpoint, plan as plans
+from zerojax import plan as plans
+from zerojax.train import checkpoint, export, signals, state_spec
 from zerojax.models.gpt import gpt
-from zerojax.optim import make_optimizer
+from zerojax.train.optim import make_optimizer
 from tests import helpers
 
 # A failed read leaves orbax reader tasks whose event loop is closed when they are collected, later.
@@ -34,7 +35,7 @@ def make_executor(plan, mesh, model=None, optimizer="adamw"):
 
 def flat_numpy(tree) -> dict:
   """`{"params/blocks/qkv/kernel": array, ...}` of a stored-layout tree."""
-  return {checkpoint.SEP.join(checkpoint._names(p)): np.asarray(x)
+  return {state_spec.SEP.join(state_spec.path_names(p)): np.asarray(x)
           for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -55,7 +56,7 @@ def saved(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("ckpt") / "single")
   with checkpoint.Checkpointer(path) as c:
     assert c.save(ex, state, seed=7)
-  return ex, state, flat_numpy(checkpoint.logical_state(ex, state)), path
+  return ex, state, flat_numpy(state_spec.logical_state(ex, state)), path
 
 
 def restore(ex, path):
@@ -73,7 +74,7 @@ def test_restore_onto_other_mesh_and_plan(saved, target):
   state, meta = restore(ex, path)
   assert meta["seed"] == 7 and meta["step"] == STEPS and meta["plan"] == "zero3"
   assert int(state.step) == STEPS and int(state.skipped) == 0
-  assert_bitwise_equal(flat_numpy(checkpoint.logical_state(ex, state)), want)
+  assert_bitwise_equal(flat_numpy(state_spec.logical_state(ex, state)), want)
   assert jax.tree.map(lambda x: x.sharding, state) == ex.shardings()
 
 
@@ -88,7 +89,7 @@ def test_stored_layout_is_logical(saved):
   ex, _, want, _ = saved
   params = ex.logical_params(saved[1])
   for p, x in jax.tree_util.tree_leaves_with_path(params):
-    key = checkpoint.SEP.join(("params",) + checkpoint._names(p))
+    key = state_spec.SEP.join(("params",) + state_spec.path_names(p))
     assert want[key].shape == x.shape
     mu = [k for k in want if k.startswith("opt_state") and k.endswith("/mu/" + key[len("params/"):])]
     assert len(mu) == 1 and want[mu[0]].shape == x.shape
@@ -96,8 +97,8 @@ def test_stored_layout_is_logical(saved):
 
 def test_export_params(saved, tmp_path):
   ex, state, want, _ = saved
-  params = checkpoint.export_params(ex, state, str(tmp_path / "params.npz"))
-  back = checkpoint.load_params(str(tmp_path / "params.npz"))
+  params = export.export_params(ex, state, str(tmp_path / "params.npz"))
+  back = export.load_params(str(tmp_path / "params.npz"))
   assert jax.tree.structure(back) == jax.tree.structure(params)
   for key, x in flat_numpy(back).items():
     np.testing.assert_array_equal(x, want["params/" + key], strict=True)
@@ -130,8 +131,7 @@ def test_missing_checkpoint(saved, tmp_path):
 
 
 def test_train_never_starts_from_scratch_when_a_restore_is_requested(tmp_path):
-  from zerojax import trainer
-  import zerojax.gin_registry  # noqa: F401
+  from zerojax.train import trainer
   (tmp_path / "empty").mkdir()
   gin.parse_config(["train.plan = @zero3()", "model_config.d_model = 32", "model_config.num_layers = 1",
                     "model_config.seq_len = 16", "train.batch_size = 8", "train.max_data_bytes = 100000"])
@@ -183,7 +183,7 @@ def test_other_optimizer(saved):
 
 def test_stop_signal():
   before = signal.getsignal(signal.SIGTERM)
-  with checkpoint.StopSignal() as stop:
+  with signals.StopSignal() as stop:
     assert not stop.requested()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.01)
@@ -217,7 +217,7 @@ def test_two_processes_save_and_restore(saved, tmp_path):
     target = make_executor(plan, mesh)
     state, meta = restore(target, str(tmp_path / "multi"))
     assert meta["process_count"] == 2 and meta["mesh"] == {"node": 2, "gpu": 4}
-    assert_bitwise_equal(flat_numpy(checkpoint.logical_state(target, state)), want)
+    assert_bitwise_equal(flat_numpy(state_spec.logical_state(target, state)), want)
 
 
 # -- train.py: kill, restart, compare ---------------------------------------------------------------

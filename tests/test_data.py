@@ -1,10 +1,10 @@
-"""Tests for zerojax.data: corpus loading, deterministic batches, sharded device arrays."""
+"""Tests for zerojax.train.data: corpus loading, deterministic batches, sharded device arrays."""
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import data
+from zerojax.train import data
 
 
 @pytest.fixture(scope="module")

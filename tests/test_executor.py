@@ -2,7 +2,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax import lax
 
@@ -70,9 +69,15 @@ def test_lion_matches(mesh):
 
 def test_padding_stays_zero(mesh):
   ex, state, _, _ = run(plans.zero3(param_dtype="float32"), mesh, helpers.optimizer("adamw"), pad_multiple=64)
-  for flat, lay in zip(jax.tree.leaves(state.params), ex.layout.leaves):
-    assert lay.padded > lay.size or lay.padded % (8 * 64) == 0
-    assert float(jnp.max(jnp.abs(flat[..., lay.size:]))) == 0.0 if lay.padded > lay.size else True
+  flats = jax.tree.leaves(state.params)
+  assert all(lay.padded % (8 * 64) == 0 and lay.padded >= lay.size for lay in ex.layout.leaves)
+  assert sum(lay.padded > lay.size for lay in ex.layout.leaves) >= 3  # biases and norms are padded
+  for flat, lay in zip(flats, ex.layout.leaves):
+    np.testing.assert_array_equal(np.asarray(flat[..., lay.size:]), 0.0)  # after 3 adamw steps with decay
+  for path, x in jax.tree_util.tree_leaves_with_path(state.opt_state):  # moments of the padding too
+    lay = next((l for f, l in zip(flats, ex.layout.leaves) if f.shape == x.shape and x.ndim), None)
+    if lay is not None and lay.padded > lay.size:
+      np.testing.assert_array_equal(np.asarray(x[..., lay.size:]), 0.0, err_msg=jax.tree_util.keystr(path))
 
 
 def test_owner_chunks_are_node_major(mesh):
@@ -133,9 +138,16 @@ def test_non_finite_step_is_skipped(mesh):
   np.testing.assert_array_equal(np.asarray(state.params["head"]["w_out"][1:]), before["head"]["w_out"][1:])
 
 
-def test_bf16_mixed_precision_close_to_fp32(mesh):
-  opt = helpers.optimizer("sgd")
-  _, _, _, l32 = run(plans.zero3(param_dtype="float32"), mesh, opt)
-  _, _, _, l16 = run(plans.zero3(param_dtype="bfloat16"), mesh, opt)
-  np.testing.assert_allclose(l16, l32, rtol=2e-2)
-  assert l16 != l32
+def test_bf16_mixed_precision_gradient_within_bf16_bound(mesh):
+  """bf16 parameters on the wire and in compute: the gradient is jax.grad's of the bf16-rounded weights,
+  whose relative L2 error is bf16's precision (2^-8) amplified by the model's depth: bound 3%, 1.4%
+  measured on this model."""
+  model = helpers.tiny_gpt()
+  params = jax.jit(model.init)(jax.random.key(0))
+  batch = helpers.batches(1, 2)[0]
+  want = helpers.reference_grads(model, params, batch)
+  got32, _ = helpers.sharded_grads(plans.zero3(param_dtype="float32"), mesh, model, params, batch)
+  got16, _ = helpers.sharded_grads(plans.zero3(param_dtype="bfloat16"), mesh, model, params, batch)
+  assert helpers.max_rel_diff(got32, want) < 1e-5
+  err16 = helpers.rel_l2(got16, want)
+  assert 1e-3 < err16 < 3e-2, err16  # bf16 really used, and within the bound

@@ -7,13 +7,12 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 import zerojax
-from zerojax import accounting, plan as plans
+from zerojax import analysis, plan as plans
 from zerojax.models.gpt import GPTConfig, gpt
-from zerojax.optim import make_optimizer
+from zerojax.train.optim import make_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = GPTConfig(seq_len=16, d_model=64, num_heads=2, num_layers=2)
@@ -35,7 +34,7 @@ def step(name, plan, accum_steps=1):
   """(executor, collectives of its compiled step), compiled once per test session."""
   if name not in _CACHE:
     ex = executor(plan, accum_steps=accum_steps)
-    _CACHE[name] = ex, accounting.step_collectives(ex, (accum_steps, 16, CFG.seq_len + 1))
+    _CACHE[name] = ex, analysis.step_collectives(ex, (accum_steps, 16, CFG.seq_len + 1))
   return _CACHE[name]
 
 
@@ -66,14 +65,14 @@ def unit_chunks(ex):
 
 def test_zero3_table1_structure():
   _, found = zero3()
-  fwd, bwd, red = (by_role(found, r) for r in accounting.TABLE1_ROLES)
+  fwd, bwd, red = (by_role(found, r) for r in analysis.TABLE1_ROLES)
   assert fwd and bwd and red
   assert {c.op for c in fwd + bwd} == {"all-gather"} and {c.op for c in red} == {"reduce-scatter"}
   for c in fwd + bwd + red:
     assert c.axes == ("node", "gpu") and c.replica_groups == (tuple(range(8)),), c
-    # bf16 parameters travel as their raw 16-bit words (collectives.all_gather_raw); gradients as bf16
+    # bf16 parameters travel as their raw 16-bit words (comm.all_gather_raw); gradients as bf16
     assert c.dtype == ("u16" if c.op == "all-gather" else "bf16"), c
-  assert {c.role for c in found} <= {*accounting.TABLE1_ROLES, "metrics"}
+  assert {c.role for c in found} <= {*analysis.TABLE1_ROLES, "metrics"}
 
 
 def test_zero3_one_gather_each_way_and_one_reduce_scatter_per_unit():
@@ -110,7 +109,7 @@ def scale_share(found, integer=("s8", "u8")):
 
 def test_zeropp_table1_structure():
   _, found = zeropp()
-  fwd, bwd, red = (by_role(found, r) for r in accounting.TABLE1_ROLES)
+  fwd, bwd, red = (by_role(found, r) for r in analysis.TABLE1_ROLES)
   # qwZ: int8 values and their fp32 block scales (one per 256 values), gathered over all 8 devices.
   assert fwd and {c.op for c in fwd} == {"all-gather"}
   assert all(c.replica_groups == (tuple(range(8)),) for c in fwd)
@@ -138,8 +137,8 @@ def test_zeropp_over_zero3_cross_node_bytes():
   _, f3 = zero3()
   _, fpp = zeropp()
   egress = lambda found, role: sum(c.count * c.node_egress_bytes for c in by_role(found, role))  # noqa: E731
-  fwd3, bwd3, red3 = (egress(f3, r) for r in accounting.TABLE1_ROLES)
-  fwdpp, bwdpp, redpp = (egress(fpp, r) for r in accounting.TABLE1_ROLES)
+  fwd3, bwd3, red3 = (egress(f3, r) for r in analysis.TABLE1_ROLES)
+  fwdpp, bwdpp, redpp = (egress(fpp, r) for r in analysis.TABLE1_ROLES)
   assert fwdpp / fwd3 == pytest.approx(0.5 * (1 + 4 / 256))
   assert bwd3 > 0 and bwdpp == 0
   w = NODES * GPUS
@@ -148,13 +147,13 @@ def test_zeropp_over_zero3_cross_node_bytes():
   assert ratio <= 0.27, ratio
   # The uniform-peer model gives the same verdict.
   uniform = lambda found: sum(c.count * c.cross_node_bytes_per_device  # noqa: E731
-                              for r in accounting.TABLE1_ROLES for c in by_role(found, r))
+                              for r in analysis.TABLE1_ROLES for c in by_role(found, r))
   assert uniform(fpp) / uniform(f3) <= 0.27
 
 
 def test_step_report_relative_to_model_bytes():
   ex, found = zero3()
-  report = accounting.step_report(ex, found)
+  report = analysis.step_report(ex, found)
   params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(gpt(CFG).init, jax.random.key(0))))
   assert report["model_parameters"] == params and report["model_bytes"] == 2 * params
   padded = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves)
@@ -190,14 +189,14 @@ def test_cli_accounts_a_gin_config(tmp_path):
   hlo = tmp_path / "step.hlo"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run(
-      [sys.executable, "-m", "zerojax.accounting", "--gin_file", "configs/zeropp.gin", "--mesh", "2x4",
+      [sys.executable, "-m", "zerojax.cli.account", "--json", "--gin_file", "configs/zeropp.gin", "--mesh", "2x4",
        "--gin_param", "model_config.num_layers=1", "--gin_param", "model_config.d_model=32",
        "--gin_param", "model_config.seq_len=16", "--gin_param", "train.batch_size=8",
        "--dump_hlo", str(hlo)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   report = json.loads(out.stdout)
   assert report["config"]["plan"] == "zeropp" and report["config"]["mesh"] == {"node": 2, "gpu": 4}
-  assert set(report["table1"]) == {*accounting.TABLE1_ROLES, "total"}
+  assert set(report["table1"]) == {*analysis.TABLE1_ROLES, "total"}
   assert report["table1"]["backward all-gather"]["node_egress_bytes"] == 0
   roles = {c["role"] for c in report["collectives"]}
   assert {"forward all-gather", "backward all-gather", "gradient reduction"} <= roles
@@ -257,7 +256,7 @@ def test_emulated_cluster_measures_the_link(tmp_path):
   mesh = zerojax.make_mesh(2, 2, devices=jax.devices()[:4])
   ex = executor(plans.zero3(param_dtype="float32"), mesh=mesh,
                 cfg=GPTConfig(seq_len=16, d_model=32, num_heads=2, num_layers=1))
-  predicted = accounting.step_report(ex, accounting.step_collectives(ex, (1, 8, 17)))["cross_node_bytes_per_node"]
+  predicted = analysis.step_report(ex, analysis.step_collectives(ex, (1, 8, 17)))["cross_node_bytes_per_node"]
   for link in out["links"]:
     assert 0.8 * predicted < link["sent_payload_bytes_per_step"] < 1.5 * predicted, (link, predicted)
 

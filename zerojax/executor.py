@@ -27,7 +27,8 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import collectives, layout as layout_lib
+from zerojax import comm, layout as layout_lib
+from zerojax.mesh import axis_sizes, group_size
 from zerojax.plan import Plan
 from zerojax.unit import ShardedUnit, UnitMeta
 
@@ -87,7 +88,7 @@ class Executor:
       raise TypeError(f"model.init must return a dict of units, got {type(shapes).__name__}")
     self.layout = layout_lib.make_layout(shapes, model.scanned, mesh.size * math.lcm(pad_multiple, plan.alignment))
     self.param_specs = layout_lib.specs(self.layout, plan.opt_order)
-    sizes = tuple(zip(mesh.axis_names, mesh.devices.shape))
+    sizes = tuple(axis_sizes(mesh).items())
     self._metas = {}
     tree = self.layout.tree()
     for u in tree:
@@ -140,14 +141,14 @@ class Executor:
     cast = lambda m: m.astype(self.plan.param_dtype)
     if not to_p:
       return jax.tree.map(cast, master)
-    return jax.tree.map(lambda m: collectives.all_gather_raw(cast(m), to_p, axis=m.ndim - 1, tiled=True),
+    return jax.tree.map(lambda m: comm.all_gather_raw(cast(m), to_p, axis=m.ndim - 1, tiled=True),
                         master)
 
   def _local_grads(self, master, batch):
     """shard_map body: master shard (over A_os) and local batch -> reduced gradient shard, mean loss."""
     plan = self.plan
     p_shards = self._param_shards(master)
-    k_g = math.prod(dict(zip(self.mesh.axis_names, self.mesh.devices.shape))[a] for a in plan.grad_axes)
+    k_g = group_size(self.mesh, plan.grad_axes)
     zeros_g = jax.tree.map(lambda l: jnp.zeros(l.flat_shape(k_g), plan.reduce_dtype), self.layout.tree(),
                            is_leaf=layout_lib.is_layout)
 

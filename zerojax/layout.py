@@ -31,6 +31,11 @@ class LeafLayout:
   def size(self) -> int:
     return math.prod(self.shape)
 
+  @property
+  def logical_shape(self) -> tuple[int, ...]:
+    """The leaf's shape in the model, with the layer axis of a scanned unit."""
+    return ((self.layers,) if self.layers is not None else ()) + self.shape
+
   def flat_shape(self, shards: int = 1) -> tuple[int, ...]:
     """Shape of the flat padded leaf, or of one of `shards` equal chunks of its last axis."""
     return ((self.layers,) if self.layers is not None else ()) + (self.padded // shards,)
@@ -73,18 +78,26 @@ def is_layout(x) -> bool:
   return isinstance(x, LeafLayout)
 
 
+def pad_flat(x: jax.Array, lay: LeafLayout) -> jax.Array:
+  """One layer's leaf, any shape with `lay.size` elements -> flat zero-padded `[padded]`."""
+  return jnp.pad(x.reshape(-1), (0, lay.padded - lay.size))
+
+
+def trim_flat(flat: jax.Array, lay: LeafLayout) -> jax.Array:
+  """Flat padded `[..., padded]` -> `[..., *lay.shape]`: drops the padding, restores the shape."""
+  return flat[..., :lay.size].reshape(flat.shape[:-1] + lay.shape)
+
+
 def flatten_leaf(x: jax.Array, lay: LeafLayout) -> jax.Array:
   """Logical leaf -> flat zero-padded `[padded]` (or `[layers, padded]`)."""
-  lead = () if lay.layers is None else (lay.layers,)
-  flat = x.reshape(lead + (lay.size,))
-  pad = [(0, 0)] * len(lead) + [(0, lay.padded - lay.size)]
-  return jnp.pad(flat, pad)
+  if lay.layers is None:
+    return pad_flat(x, lay)
+  return jax.vmap(lambda y: pad_flat(y, lay))(x)
 
 
 def unflatten_leaf(flat: jax.Array, lay: LeafLayout) -> jax.Array:
   """Flat padded leaf -> logical shape (drops the padding)."""
-  lead = () if lay.layers is None else (lay.layers,)
-  return flat[..., :lay.size].reshape(lead + lay.shape)
+  return trim_flat(flat, lay)
 
 
 def spec(lay: LeafLayout, axes: tuple[str, ...]) -> P:

@@ -6,13 +6,13 @@ each other.
 """
 from __future__ import annotations
 
-import math
 
 import jax
 import numpy as np
 
 from zerojax import layout as layout_lib
 from zerojax.executor import Executor, TrainState
+from zerojax.mesh import group_size
 
 
 def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
@@ -25,8 +25,7 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
   Returns:
     `{"expected": {...}, "measured": {...}}` in bytes per device; `measured` only with `state`.
   """
-  sizes = dict(zip(ex.mesh.axis_names, ex.mesh.devices.shape))
-  s = lambda axes: math.prod(sizes[a] for a in axes)
+  s = lambda axes: group_size(ex.mesh, axes)
   plan = ex.plan
   numel = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves)
   opt_shapes = jax.eval_shape(ex.optimizer.init, ex._flat_shapes())

@@ -5,6 +5,7 @@ Every plan in zerojax is a choice of axes of this mesh (DESIGN.md). The `node` a
 """
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -65,6 +66,26 @@ def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *,
   raise ValueError(f"secondary_group={k} must divide the {gpus_per_node} devices of a node or be a whole "
                    f"number of nodes dividing the {num_nodes} nodes (e.g. {gpus_per_node // 2 or 1} or "
                    f"{2 * gpus_per_node})")
+
+
+def axis_sizes(mesh) -> dict[str, int]:
+  """`{axis name: size}` of a `Mesh` or `AbstractMesh`, in mesh order."""
+  return {a: int(mesh.shape[a]) for a in mesh.axis_names}
+
+
+def group_size(mesh, axes) -> int:
+  """Devices in one group along `axes` (1 for no axes): the shard degree of a component over them."""
+  sizes = axis_sizes(mesh)
+  return math.prod(sizes[a] for a in axes)
+
+
+def owner_index(axes) -> jax.Array:
+  """Inside `shard_map`: this device's chunk along `axes`, node-major (device (n, g) owns n * G + g).
+
+  A tiled all-gather over `axes` concatenates the chunks in this order, so it returns a leaf in its
+  original order (DESIGN.md, "Parameter layout").
+  """
+  return jax.lax.axis_index(tuple(axes))
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,

@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerojax import collectives
-from zerojax.layout import LeafLayout
+from zerojax import comm
+from zerojax.layout import LeafLayout, pad_flat, trim_flat
+from zerojax.mesh import owner_index
 from zerojax.plan import Plan
 
 
@@ -72,30 +73,30 @@ def _gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
   """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ)."""
   plan = meta.plan
   bits = plan.weight_bits if (not backward or plan.quantize_backward_gather) else None
-  return collectives.all_gather_unit(shards, plan.param_axes, bits=bits, block=plan.weight_block,
+  return comm.all_gather_unit(shards, plan.param_axes, bits=bits, block=plan.weight_block,
                                      backend=plan.kernel_backend)
 
 
 def _tree(meta: UnitMeta, flats: list) -> Any:
   dtype = meta.plan.compute_dtype or meta.plan.param_dtype
-  return jax.tree.unflatten(meta.treedef, [f[:l.size].reshape(l.shape).astype(dtype)
+  return jax.tree.unflatten(meta.treedef, [trim_flat(f, l).astype(dtype)
                                            for f, l in zip(flats, meta.leaves)])
 
 
 def _secondary_shards(meta: UnitMeta, flats: list) -> list:
   """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""
   axes = meta.plan.secondary_axes
-  k, idx = meta.size(axes), lax.axis_index(axes)
+  k, idx = meta.size(axes), owner_index(axes)
   return [lax.dynamic_index_in_dim(f.reshape(k, -1), idx, keepdims=False) for f in flats]
 
 
 def _reduce(meta: UnitMeta, grads: Any) -> list:
   plan = meta.plan
   dtype = jnp.dtype(plan.reduce_dtype)
-  flats = [jnp.pad(g.astype(dtype).reshape(-1), (0, l.padded - l.size))
+  flats = [pad_flat(g.astype(dtype), l)
            for g, l in zip(jax.tree.leaves(grads), meta.leaves)]
   sizes = tuple(dict(meta.axis_sizes)[a] for a in plan.grad_order)
-  return collectives.reduce_scatter_unit(flats, plan.grad_order, sizes, bits=plan.grad_bits,
+  return comm.reduce_scatter_unit(flats, plan.grad_order, sizes, bits=plan.grad_bits,
                                          block=plan.grad_block, stages=plan.qgz_stages,
                                          backend=plan.kernel_backend)
 
@@ -121,7 +122,7 @@ def _sharded_bwd(f, meta, residuals, g):
   # gather (keeping full weights alive across the whole step) nor hoist it early.
   kept, g = lax.optimization_barrier((kept, g))
   if meta.plan.secondary_axes:
-    flats = collectives.all_gather_unit(kept, meta.plan.secondary_axes)  # inside the node only
+    flats = comm.all_gather_unit(kept, meta.plan.secondary_axes)  # inside the node only
   else:
     flats = _gather_flats(meta, kept, backward=True)
   _, vjp = jax.vjp(f, _tree(meta, flats), *args)

@@ -12,13 +12,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from zerojax import checkpoint as checkpoint_lib, data as data_lib
 from zerojax.executor import Executor
 from zerojax.memory import memory_report
 from zerojax.mesh import make_mesh
 from zerojax.models.gpt import GPTConfig, gpt
-from zerojax.optim import make_optimizer
-from zerojax.plan import Plan, zero3
+from zerojax.plan import Plan
+from zerojax.train import checkpoint as checkpoint_lib, data as data_lib, export as export_lib
+from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
+from zerojax.train.optim import make_optimizer
+from zerojax.train.signals import StopSignal
 
 
 @gin.configurable
@@ -120,7 +122,7 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
   bar = tqdm(total=steps, disable=not (lead and progress), dynamic_ncols=True)
   in_a_row, times, first_loss, loss, eval_loss = 0, [], None, float("nan"), None
   start_step = int(state.step)
-  stop = checkpoint_lib.StopSignal().install()
+  stop = StopSignal().install()
   for step in range(start_step, steps):
     batch = data_lib.global_batch(dataset.train, step, accum_steps=accum_steps, batch_size=batch_size,
                                   seq_len=cfg.seq_len, seed=seed)
@@ -156,7 +158,7 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
   stop.uninstall()
   ckpt.close()
   if export:
-    checkpoint_lib.export_params(ex, state, os.path.join(workdir, "params.npz"))
+    export_lib.export_params(ex, state, os.path.join(workdir, "params.npz"))
   bar.close()
   median = float(np.median(times)) if times else float("nan")
   summary = {"plan": plan.name, "mesh": dict(mesh.shape), "steps": steps, "first_loss": first_loss,

@@ -24,13 +24,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerojax import collectives, quantization as q
+from zerojax import quantization as q
+from zerojax.comm.wire import pack_wire, unpack_wire
 
 
 def _all_to_all(values, scales, axis: str, bits: int):
   """One all-to-all (split and concat on axis 0) of values and scales packed as raw bytes."""
-  wire = lax.all_to_all(collectives.pack_wire(values, scales), axis, 0, 0, tiled=True)
-  return collectives.unpack_wire(wire, values.shape[-1], bits)
+  wire = lax.all_to_all(pack_wire(values, scales), axis, 0, 0, tiled=True)
+  return unpack_wire(wire, values.shape[-1], bits)
 
 
 def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tuple[int, ...], bits: int,

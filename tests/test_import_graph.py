@@ -1,0 +1,138 @@
+"""The package layout holds: each folder is one layer of the design and imports only downward.
+
+Layers (DESIGN.md, "Layout of the repository"), lowest first; a module may import modules of a lower
+layer, or of its own group (folder, or the core modules among themselves), never upward or sideways:
+
+  0  pallas_kernels                                       the GPU kernels
+  1  zerojax.mesh | zerojax.quantization                  the mesh | the kernels' front (siblings)
+  2  zerojax.comm                                         the collectives
+  3  zerojax.{plan, layout, unit, executor, memory}       core: the plan value and the one executor
+  4  zerojax.models | zerojax.planner                     models | the AMSP planner
+  5  zerojax.train | zerojax.analysis                     trainer | reading compiled programs
+  6  zerojax.cli                                          commands
+  7  zerojax (the package's __init__)                     the public API, re-exported
+"""
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CORE = ("plan", "layout", "unit", "executor", "memory")
+MAX_LINES = 500
+
+
+def group_of(module: str) -> tuple[int, str]:
+  """(layer, group) of a module; modules of one group may import each other (without cycles)."""
+  parts = module.split(".")
+  if parts[0] == "pallas_kernels":
+    return 0, "pallas_kernels"
+  if module == "zerojax":
+    return 7, "api"
+  top = parts[1]
+  if top in ("mesh", "quantization"):
+    return 1, top
+  if top == "comm":
+    return 2, "comm"
+  if top in CORE:
+    return 3, "core"
+  if top in ("models", "planner"):
+    return 4, top
+  if top in ("train", "analysis"):
+    return 5, top
+  if top == "cli":
+    return 6, "cli"
+  raise AssertionError(f"module {module} is in no layer; add it to tests/test_import_graph.py's layers")
+
+
+def modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for pkg in ("zerojax", "pallas_kernels"):
+    for path in (ROOT / pkg).rglob("*.py"):
+      rel = path.relative_to(ROOT).with_suffix("")
+      parts = list(rel.parts)
+      if parts[-1] == "__init__":
+        parts = parts[:-1]
+      out[".".join(parts)] = path
+  return out
+
+
+def imports(path: pathlib.Path, known: set[str]) -> set[str]:
+  """Project modules `path` imports (anywhere in the file, functions included)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      for a in node.names:
+        sub = f"{node.module}.{a.name}"
+        found.add(sub if sub in known else node.module)
+  return {m for m in found if m in known}
+
+
+def graph() -> dict[str, set[str]]:
+  mods = modules()
+  known = set(mods)
+  return {m: imports(p, known) - {m} for m, p in mods.items()}
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+  """Upward or sideways edges, and cycles, of an import graph."""
+  bad = []
+  for src, dsts in edges.items():
+    ls, gs = group_of(src)
+    for dst in dsts:
+      ld, gd = group_of(dst)
+      if src.startswith(dst + "."):  # a package's own __init__ (e.g. zerojax.comm for zerojax.comm.qgz)
+        bad.append(f"{src} imports its own package {dst}: import the module it needs")
+      elif ld > ls or (ld == ls and gd != gs):
+        bad.append(f"{src} (layer {ls}, {gs}) imports {dst} (layer {ld}, {gd})")
+  state: dict[str, int] = {}
+
+  def visit(m, stack):
+    state[m] = 1
+    for d in sorted(edges.get(m, ())):
+      if state.get(d) == 1:
+        bad.append("cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+      elif d not in state:
+        visit(d, stack + [d])
+    state[m] = 2
+
+  for m in sorted(edges):
+    if m not in state:
+      visit(m, [m])
+  return bad
+
+
+def test_import_graph_has_no_upward_edge_and_no_cycle():
+  edges = graph()
+  assert "zerojax.comm.qgz" in edges and "zerojax.analysis.collectives" in edges  # the walk found the tree
+  assert violations(edges) == []
+
+
+def test_nothing_in_the_library_imports_analysis():
+  edges = graph()
+  users = sorted(m for m, ds in edges.items() for d in ds
+                 if d.startswith("zerojax.analysis") and not m.startswith(("zerojax.analysis", "zerojax.cli")))
+  assert users == []
+
+
+@pytest.mark.parametrize("edges,expect", [
+    ({"zerojax.comm.gather": {"zerojax.executor"}, "zerojax.executor": set()}, "imports zerojax.executor"),
+    ({"zerojax.train.trainer": {"zerojax.analysis.report"}, "zerojax.analysis.report": set()}, "layer 5, analysis"),
+    ({"zerojax.unit": {"zerojax.executor"}, "zerojax.executor": {"zerojax.unit"}}, "cycle"),
+    ({"zerojax.comm.qgz": {"zerojax.comm"}, "zerojax.comm": set()}, "its own package"),
+])
+def test_the_check_catches_bad_edges(edges, expect):
+  found = violations(edges)
+  assert any(expect in v for v in found), found
+
+
+def test_files_are_short():
+  long = [f"{p.relative_to(ROOT)}: {n} lines" for p in list(modules().values()) + list((ROOT / "tests").glob("*.py"))
+          + list((ROOT / "benchmarks").glob("*.py")) if (n := len(p.read_text().splitlines())) > MAX_LINES]
+  assert long == [], f"files over {MAX_LINES} lines: {long}"
+  assert os.path.exists(ROOT / "train.py")

@@ -1,0 +1,103 @@
+"""Accounts for the communication of `train.py`'s step: `python -m zerojax.cli.account --gin_file=...`.
+
+Compiles the train step of a gin config for abstract inputs (nothing runs) and prints ZeRO++ Table 1:
+per plan, the bytes of the forward gather, backward gather and gradient reduction, inside the node and
+across nodes. `--json` prints every collective (op, dtype, shapes, replica groups, mesh axes, role,
+executions per step, bytes). `--hlo FILE --mesh 2x4` accounts for a dumped HLO text instead.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import sys
+
+import jax
+
+from zerojax.analysis import (collectives_from_hlo, render_collectives, render_table, step_collectives,
+                              step_hlo, step_report, summarize)
+
+
+def _gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):
+  """Parses the gin config as `train.py` does and builds its executor; returns it with `train`'s args."""
+  import gin
+
+  from zerojax.cli.train import REPO_ROOT
+  from zerojax.train import trainer
+
+  gin.add_config_file_search_path(REPO_ROOT)
+  for f in gin_files:
+    if not os.path.exists(f) and not os.path.exists(os.path.join(REPO_ROOT, f)):
+      raise SystemExit(f"error: --gin_file {f!r} does not exist (configs are in configs/)")
+  gin.parse_config_files_and_bindings([f if os.path.exists(f) else os.path.join(REPO_ROOT, f)
+                                       for f in gin_files], gin_params)
+  args = {k: v.default for k, v in inspect.signature(trainer.train).parameters.items()
+          if v.default is not inspect.Parameter.empty}
+  args.update(gin.get_bindings(trainer.train))
+  if args.get("plan", gin.REQUIRED) is gin.REQUIRED:
+    raise SystemExit("error: the gin config sets no plan; bind train.plan (e.g. include configs/zero3.gin)")
+  shared = [k for k in inspect.signature(trainer.build).parameters if k not in ("plan", "num_nodes") and k in args]
+  ex = trainer.build(args["plan"], nodes, **{k: args[k] for k in shared})
+  return ex, args, trainer.model_config()
+
+
+def main(argv=None) -> None:
+  """Prints the accounting of a gin config's train step (`--gin_file`) or of an HLO dump (`--hlo`)."""
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  source = parser.add_mutually_exclusive_group(required=True)
+  source.add_argument("--gin_file", action="append", help="gin config of train.py (repeatable)")
+  source.add_argument("--hlo", help="optimized HLO text file ('-' for stdin)")
+  parser.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. train.accum_steps=2")
+  parser.add_argument("--mesh", default=None, help="NODESxGPUS, e.g. 2x4 (axes 'node', 'gpu'); default 2x4 "
+                      "for --gin_file")
+  parser.add_argument("--model_bytes", type=float, default=None, help="model size M in bytes (--hlo)")
+  parser.add_argument("--json", action="store_true", help="print JSON with every collective instead of the table")
+  parser.add_argument("--dump_hlo", default=None, help="also write the compiled step's HLO here (--gin_file)")
+  args = parser.parse_args(argv)
+  if args.hlo and args.mesh is None:
+    parser.error("--hlo needs --mesh NODESxGPUS, e.g. --mesh 2x4")
+  try:
+    nodes, gpus = (int(v) for v in (args.mesh or "2x4").lower().split("x"))
+  except ValueError:
+    parser.error(f"--mesh {args.mesh!r} is not NODESxGPUS; use e.g. 2x4")
+  if args.hlo:
+    mesh = jax.sharding.AbstractMesh((nodes, gpus), ("node", "gpu"))
+    text = sys.stdin.read() if args.hlo == "-" else open(args.hlo).read()
+    found = collectives_from_hlo(text, mesh)
+    out = summarize(found, model_bytes=args.model_bytes)
+    out["collectives"] = [dataclasses.asdict(c) for c in found]
+    if not args.json:
+      print(render_collectives(found))
+      return
+  else:
+    try:
+      jax.config.update("jax_num_cpu_devices", nodes * gpus)
+    except RuntimeError:  # the backend has started already (e.g. under pytest)
+      pass
+    if jax.device_count() < nodes * gpus:
+      raise SystemExit(f"error: a {nodes}x{gpus} mesh needs {nodes * gpus} devices, but jax has "
+                       f"{jax.device_count()}; use --mesh with at most that many")
+    ex, train_args, cfg = _gin_executor(args.gin_file, args.gin_param, nodes)
+    if ex.mesh.size != nodes * gpus:
+      raise SystemExit(f"error: the mesh is {dict(ex.mesh.shape)}, not {nodes}x{gpus}; run with exactly "
+                       f"{nodes * gpus} devices")
+    text = step_hlo(ex, (ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1))
+    if args.dump_hlo:
+      with open(args.dump_hlo, "w") as f:
+        f.write(text)
+    out = {"config": {"gin_files": args.gin_file, "gin_params": args.gin_param, "plan": ex.plan.name,
+                      "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "param_dtype": ex.plan.param_dtype,
+                      "reduce_dtype": ex.plan.reduce_dtype, "accum_steps": ex.accum_steps,
+                      "batch_size": train_args["batch_size"], "seq_len": cfg.seq_len}}
+    out.update(step_report(ex, step_collectives(ex, hlo_text=text)))
+    if not args.json:
+      print(render_table(out))
+      return
+  json.dump(out, sys.stdout, indent=2)
+  sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+  main()

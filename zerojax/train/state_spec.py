@@ -1,0 +1,215 @@
+"""Checkpoints of the train state with orbax, in a logical layout that restores onto any mesh or plan.
+
+A checkpoint holds what a run needs to continue: the fp32 master parameters, the optimizer states, the
+step, the count of skipped steps and the data seed. The step is also the data position: batches are a
+pure function of `(seed, step)` (`zerojax.data`). Parameters, and every optimizer-state leaf that has a
+parameter's flat shape, are stored in the model's own shapes without padding; scalars (counts) as they
+are. Nothing stored depends on the mesh, the process count or the plan, so a checkpoint restores onto
+any of them: orbax reads each array straight into the target's shardings (every process reads only
+what its devices hold), then the target executor's layout flattens, pads and shards it. State that an
+executor derives from the master weights is never stored.
+
+The conversion to the logical layout is a jitted function whose outputs stay sharded over the devices
+(no gather to one host), so every process writes only its own shards. Saving is asynchronous: the
+training loop is blocked only while the logical copy is made and handed to host memory; the writes run
+in the background and are atomic (a step folder appears only once complete). One checkpoint folder:
+
+  DIR/<step>/state/   the logical arrays: {"params", "opt_state", "step", "skipped"}
+  DIR/<step>/meta/    JSON: format, step, plan, mesh and process count at save time, seed
+
+References:
+  Orbax checkpointing: https://orbax.readthedocs.io/en/latest/guides/checkpoint/checkpoint_manager.html
+  ZeRO: Rajbhandari et al. 2020, §5 (partitioned optimizer states, parameters and gradients).
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import layout as layout_lib
+from zerojax.mesh import group_size
+
+FORMAT = 1
+SEP = "/"
+STORED = ("step", "params", "opt_state", "skipped")  # the TrainState fields that are state, not derived
+
+
+class CheckpointError(ValueError):
+  """A checkpoint is missing, incomplete, or does not match the run that restores it."""
+
+
+# -- the logical layout ------------------------------------------------------------------------------
+
+def _name(entry) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def path_names(path) -> tuple[str, ...]:
+  return tuple(_name(e) for e in path)
+
+
+def _logical_sharding(mesh: Mesh, axes: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+  """Shards a logical array over `axes` (or one of them) on its largest divisible dimension."""
+  groups = ([axes] if axes else []) + ([(a,) for a in axes] if len(axes) > 1 else [])
+  for group in groups:
+    k = group_size(mesh, group)
+    for d in sorted(range(len(shape)), key=lambda i: -shape[i]):
+      if shape[d] % k == 0:
+        spec = [None] * len(shape)
+        spec[d] = group if len(group) > 1 else group[0]
+        return NamedSharding(mesh, P(*spec))
+  return NamedSharding(mesh, P())
+
+
+class _Leaf(NamedTuple):
+  names: tuple[str, ...]                  # path in the stored tree, e.g. ("opt_state", "1", "0", "mu", ...)
+  layout: layout_lib.LeafLayout | None    # the parameter layout of a flat leaf; None for a scalar
+  shape: tuple[int, ...]                  # stored (logical) shape
+  dtype: Any
+  sharding: NamedSharding                 # of the logical array on the executor's mesh
+
+
+class _Spec:
+  """How one executor's train state maps to the stored tree and back."""
+
+  def __init__(self, executor):
+    shapes = jax.eval_shape(executor._init_from_flat, executor._flat_shapes())
+    self.shardings = executor.shardings(shapes)
+    params = [(path_names(p), lay) for p, lay in jax.tree_util.tree_flatten_with_path(
+        executor.layout.tree(), is_leaf=layout_lib.is_layout)[0]]
+    by_path = dict(params)
+    fields = tuple(f.name for f in dataclasses.fields(shapes))
+    if sorted(fields) != sorted(STORED):
+      raise CheckpointError(f"TrainState has fields {fields} but checkpoints store {STORED}: add a new field "
+                            "to checkpoint.STORED if it is state, or rebuild it after `restore` if derived")
+    leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    axes = executor.plan.opt_order
+    self.leaves = []
+    for path, x in leaves:
+      names = path_names(path)
+      if names[0] == "params":
+        lay = by_path[names[1:]]
+      elif x.ndim == 0:
+        lay = None
+      else:
+        lay = self._owner(names, tuple(x.shape), params)
+      shape = lay.logical_shape if lay else tuple(x.shape)
+      self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), _logical_sharding(executor.mesh, axes, shape)))
+    seen = {}
+    for leaf in self.leaves:
+      key = SEP.join(leaf.names)
+      if key in seen:
+        raise CheckpointError(f"train-state leaves {seen[key]} and {leaf.names} both store as {key!r}; "
+                              "give the optimizer state or the params distinct names")
+      seen[key] = leaf.names
+
+  @staticmethod
+  def _owner(names, shape, params):
+    """The layout of the parameter an optimizer-state leaf belongs to: its path ends with the param's."""
+    match = [lay for p, lay in params if names[-len(p):] == p and lay.flat_shape() == shape]
+    if len(match) != 1:
+      match = [lay for _, lay in params if lay.flat_shape() == shape]
+    if len(match) != 1:
+      raise CheckpointError(
+          f"optimizer state leaf {SEP.join(names)} of shape {shape} belongs to no single parameter (no "
+          "parameter's path ends its path); it cannot be stored in the logical layout. Use an optax "
+          "optimizer whose states mirror the params' tree (adamw, lion, sgd, masked, chain)")
+    return match[0]
+
+  def nest(self, values) -> dict:
+    out = {}
+    for leaf, v in zip(self.leaves, values):
+      d = out
+      for n in leaf.names[:-1]:
+        d = d.setdefault(n, {})
+      d[leaf.names[-1]] = v
+    return out
+
+  def unnest(self, tree: dict) -> list:
+    out = []
+    for leaf in self.leaves:
+      d = tree
+      for n in leaf.names:
+        d = d[n]
+      out.append(d)
+    return out
+
+  def expected(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    return {SEP.join(l.names): (l.shape, l.dtype) for l in self.leaves}
+
+  def abstract(self) -> dict:
+    return self.nest([jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=l.sharding) for l in self.leaves])
+
+
+_SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def state_spec_of(executor) -> _Spec:
+  if executor not in _SPECS:
+    spec = _Spec(executor)
+    spec.to_logical = jax.jit(
+        lambda state: spec.nest([layout_lib.unflatten_leaf(x, l.layout) if l.layout else x
+                                 for x, l in zip(jax.tree.leaves(state), spec.leaves)]),
+        out_shardings=spec.nest([l.sharding for l in spec.leaves]))
+    spec.from_logical = jax.jit(
+        lambda tree: jax.tree.unflatten(spec.treedef, [
+            layout_lib.flatten_leaf(x, l.layout) if l.layout else x
+            for x, l in zip(spec.unnest(tree), spec.leaves)]),
+        out_shardings=spec.shardings)
+    _SPECS[executor] = spec
+  return _SPECS[executor]
+
+
+def logical_state(executor, state) -> dict:
+  """The train state as stored: `{"params", "opt_state", "step", "skipped"}` in the model's shapes.
+
+  The arrays stay sharded over the executor's mesh (each device keeps a slice); nothing is gathered.
+  """
+  return state_spec_of(executor).to_logical(state)
+
+
+def state_from_logical(executor, tree: dict):
+  """Inverse of `logical_state` for `executor`: flattens, pads and shards into its `TrainState`."""
+  return state_spec_of(executor).from_logical(tree)
+
+
+def check_compatible(spec: _Spec, saved: dict, where: str) -> None:
+  """Raises a `CheckpointError` naming the stored leaves that do not match the target run."""
+  want = spec.expected()
+  fmt = lambda sd: f"shape {tuple(sd[0])} {np.dtype(sd[1])}"
+  order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params"), k))  # params first
+  groups = [
+      [f"{k}: saved {fmt(saved[k])}, expected {fmt(want[k])}" for k in order(set(want) & set(saved))
+       if (tuple(saved[k][0]), np.dtype(saved[k][1])) != want[k]],
+      [f"{k}: expected {fmt(want[k])}, but the checkpoint has no such leaf" for k in order(set(want) - set(saved))],
+      [f"{k}: saved {fmt(saved[k])}, but this run has no such leaf" for k in order(set(saved) - set(want))]]
+  if not any(groups):
+    return
+  lines = []
+  for group in groups:
+    lines += group[:6] + ([f"... and {len(group) - 6} more like this"] if len(group) > 6 else [])
+  opt_only = all(line.startswith(("opt_state", "...")) for line in lines)
+  hint = "the optimizer differs from the one" if opt_only else "the model differs from the one"
+  raise CheckpointError(f"checkpoint {where} does not match this run ({hint} it was saved with; restore "
+                        "with the same model config and optimizer: only the mesh, the process count and the "
+                        "plan may change):\n  " + "\n  ".join(lines))
+
+
+def saved_leaves(tree, prefix=()) -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(saved_leaves(v, prefix + (str(k),)))
+    else:
+      out[SEP.join(prefix + (str(k),))] = (tuple(v.shape), np.dtype(v.dtype))
+  return out
+
+
