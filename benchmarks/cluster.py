@@ -206,8 +206,50 @@ def _train_command(net: Network, i: int, args, workdir: str, port: int) -> list[
   params = [f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0", "train.progress=False",
             "train.checkpoint_every=0", *args.gin_param]
   train += [f"--gin_param={p}" for p in params]
-  script = f"hostname {shlex.quote(net.hostname[i])} && exec {shlex.join(train)}"
+  return _in_node(net, i, train)
+
+
+def _in_node(net: Network, i: int, program: list[str]) -> list[str]:
+  """`program` run in node i's namespace under its own hostname (gloo binds the node's address)."""
+  script = f"hostname {shlex.quote(net.hostname[i])} && exec {shlex.join(program)}"
   return ["ip", "netns", "exec", net.ns[i], "unshare", "--uts", "sh", "-c", script]
+
+
+def run_profile(args) -> dict:
+  """Runs the collective profiler (`zerojax.planner.profile`) on the emulated cluster; returns its JSON."""
+  why = check_environment()
+  if why:
+    raise ClusterError(why)
+  remove_stale()
+  out = os.path.abspath(args.profile)
+  net, procs, logs = Network(args.nodes, parse_rate(args.rate), parse_delay(args.delay)), [], []
+  workdir = tempfile.mkdtemp(prefix="zjx-profile-")
+  try:
+    net.open()
+    env = _child_env()
+    for i in range(args.nodes):
+      prog = [sys.executable, "-m", "zerojax.planner.profile", f"--out={out}", f"--devices={args.devices}",
+              f"--coordinator={net.address[0]}:{args.port}", f"--num_processes={args.nodes}", f"--process_id={i}"]
+      logs.append(open(os.path.join(workdir, f"node{i}.log"), "w"))
+      procs.append(subprocess.Popen(_in_node(net, i, prog), cwd=REPO, env=env, stdout=logs[-1],
+                                    stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.time() + args.timeout
+    while any(p.poll() is None for p in procs):
+      bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+      if bad or time.time() > deadline:
+        i = bad[0] if bad else 0
+        raise ClusterError(f"profiler on node {i} failed or timed out:\n" + _tail(os.path.join(workdir, f"node{i}.log")))
+      time.sleep(0.1)
+    if any(p.returncode for p in procs):
+      raise ClusterError("the profiler failed:\n" + _tail(os.path.join(workdir, "node0.log")))
+  finally:
+    _stop(procs)
+    for log in logs:
+      log.close()
+    net.close()
+    shutil.rmtree(workdir, ignore_errors=True)
+  with open(out) as f:
+    return json.load(f)
 
 
 def _child_env() -> dict[str, str]:
@@ -359,7 +401,9 @@ def run(args) -> dict:
 
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--gin_file", action="append", required=True, help="gin config of train.py (repeatable)")
+  ap.add_argument("--gin_file", action="append", default=[], help="gin config of train.py (repeatable)")
+  ap.add_argument("--profile", default=None, help="instead of training, run the collective profiler "
+                  "(zerojax.planner.profile) on the cluster and write its JSON here")
   ap.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
   ap.add_argument("--nodes", type=int, default=2, help="emulated nodes (one train.py process each)")
   ap.add_argument("--devices", type=int, default=4, help="CPU devices per node")
@@ -379,8 +423,11 @@ def main(argv=None) -> int:
   if args.nodes < 2 or args.devices < 1:
     print(f"need --nodes >= 2 and --devices >= 1 (got {args.nodes}, {args.devices})", file=sys.stderr)
     return 2
+  if not args.profile and not args.gin_file:
+    print("need --gin_file (a training run) or --profile (the collective profiler)", file=sys.stderr)
+    return 2
   try:
-    out = run(args)
+    out = run_profile(args) if args.profile else run(args)
   except (ClusterError, ValueError) as e:
     print(f"cluster: {e}", file=sys.stderr)
     return 1

@@ -17,6 +17,7 @@ References:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -28,6 +29,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import comm, layout as layout_lib
+from zerojax import mesh as mesh_lib
 from zerojax.mesh import axis_sizes, group_size
 from zerojax.plan import Plan
 from zerojax.unit import ShardedUnit, UnitMeta
@@ -68,13 +70,16 @@ class Executor:
     model: the model, written as ZeRO units.
     optimizer: an elementwise optax `GradientTransformation` (see `check_elementwise`).
     plan: the sharding plan.
-    mesh: the ("node", "gpu") mesh.
+    mesh: the ("node", "gpu") mesh (or a factoring of it); the executor factors it further for plans
+      that name groups by size, and keeps the result as `self.mesh`.
     accum_steps: micro-batches per optimizer step (gradient accumulation).
     pad_multiple: leaves are padded to a multiple of (devices x lcm(pad_multiple, plan.alignment)).
   """
 
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
                accum_steps: int = 1, pad_multiple: int = 1):
+    plan.check_groups(mesh)
+    mesh = mesh_lib.factor(mesh, plan.groups())  # groups of k consecutive devices become mesh axes
     plan = plan.resolve(mesh)
     plan.validate(mesh)
     if accum_steps < 1:
@@ -131,9 +136,9 @@ class Executor:
     return layout_lib.to_logical(state.params, self.layout)
 
   # -- the step --------------------------------------------------------------------------------------
-  def _units(self, p_shards: dict, sinks: dict) -> dict:
-    return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), self._metas[u])
-            for u in p_shards}
+  def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = ()) -> dict:
+    metas = {u: dataclasses.replace(m, sync_axes=sync_axes) for u, m in self._metas.items()}
+    return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), metas[u]) for u in p_shards}
 
   def _param_shards(self, master):
     """Step 0: master shard over A_os -> parameter shard over A_p, in the param dtype."""
@@ -156,17 +161,36 @@ class Executor:
       loss, g = jax.value_and_grad(lambda s: self.model.loss(self._units(p_shards, s), tokens))(zeros_g)
       return jax.tree.map(jnp.add, acc, g), loss
 
-    acc, losses = lax.scan(micro, zeros_g, batch)
     to_os = plan.opt_order[len(plan.grad_order):]
-    if to_os:
-      acc = jax.tree.map(lambda g: lax.psum_scatter(g, to_os, scatter_dimension=g.ndim - 1, tiled=True), acc)
     replicas = plan.replica_axes(self.mesh)
-    if replicas:
-      acc = jax.tree.map(lambda g: lax.psum(g, replicas), acc)
+    if plan.sync_in_backward and replicas and not to_os:
+      # MiCS §3.4 with the boundary all-reduce overlapped: the window's last micro-step all-reduces each
+      # unit's gradient (plus what the window accumulated) inside its backward, so layer i's all-reduce
+      # runs while layer i-1's backward computes. The sums are the same as after the window.
+      acc, losses = lax.scan(micro, zeros_g, batch[:-1])
+      units = {}
+      last = lambda s: self.model.loss(units.setdefault("u", self._units(p_shards, s, replicas)), batch[-1])
+      loss, acc = jax.value_and_grad(last)(acc)
+      self._check_single_calls(units["u"])
+      losses = jnp.concatenate([losses, loss[None]])
+    else:
+      acc, losses = lax.scan(micro, zeros_g, batch)
+      if to_os:
+        acc = jax.tree.map(lambda g: lax.psum_scatter(g, to_os, scatter_dimension=g.ndim - 1, tiled=True), acc)
+      if replicas:
+        acc = jax.tree.map(lambda g: lax.psum(g, replicas), acc)
     # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
     acc = jax.tree.map(lambda g: g / (self.world * self.accum_steps), acc)
     loss = lax.pmean(jnp.mean(losses), self.data_axes)
     return acc, loss
+
+  @staticmethod
+  def _check_single_calls(units: dict) -> None:
+    for name, u in units.items():
+      if len(u.meta.calls) > 1:
+        raise ValueError(f"unit {name!r} is called {len(u.meta.calls)} times per micro-batch; the replica "
+                         "all-reduce inside the backward (Plan.sync_in_backward) needs one call per unit: "
+                         "set sync_in_backward=False in the plan, or make each call its own unit")
 
   def _train_step(self, state: TrainState, batch: jax.Array):
     grads, loss = jax.shard_map(

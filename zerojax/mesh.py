@@ -1,7 +1,14 @@
-"""The ("node", "gpu") device mesh, for one process or one process per node.
+"""The ("node", "gpu") device mesh, for one process or one process per node, and its factorings.
 
 Every plan in zerojax is a choice of axes of this mesh (DESIGN.md). The `node` axis is the slow one
-(inter-node links); `gpu` enumerates the devices inside a node. Device (n, g) is at `mesh.devices[n, g]`.
+(inter-node links); `gpu` enumerates the devices inside a node. Device (n, g) is at `mesh.devices[n, g]`
+and has rank n * G + g. A group of k consecutive ranks (a MiCS partition group, an hpZ secondary group,
+an AMSP shard group) that divides a node or spans whole nodes becomes a set of mesh axes once the mesh
+is factored at k (`factor`, `group_axes`): one mechanism for all of them.
+
+References:
+  MiCS: Zhang et al. 2022, §3.2 (partition groups of consecutive ranks, replication groups strided).
+  ZeRO++: Wang et al. 2023, §3.2 (hpZ secondary groups). AMSP: Chen et al. 2023, §3 (shard degrees).
 """
 from __future__ import annotations
 
@@ -15,26 +22,21 @@ from jax.sharding import Mesh
 AXES = ("node", "gpu")
 
 
-def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *, devices=None,
-              secondary_group: int | None = None) -> Mesh:
-  """Builds the `("node", "gpu")` mesh, optionally with one axis factored for hpZ groups.
+def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *, devices=None) -> Mesh:
+  """Builds the `("node", "gpu")` mesh.
 
   With several processes (one per host, `jax.process_count() > 1`) the node axis is the process axis
   and `gpu` enumerates each process's local devices; `num_nodes` must then equal the process count.
-  With one process, `num_nodes` x `gpus_per_node` local devices are arranged node-major.
+  With one process, `num_nodes` x `gpus_per_node` local devices are arranged node-major. Plans that
+  shard over groups smaller or larger than a node factor this mesh themselves (`factor`).
 
   Args:
     num_nodes: number of nodes; defaults to the process count (1 for a single process).
     gpus_per_node: devices per node; defaults to all devices divided by `num_nodes`.
     devices: devices to use (default `jax.devices()`).
-    secondary_group: devices per hpZ secondary group (ZeRO++ §3.2) when it is not one node. A divisor k
-      of `gpus_per_node` factors `gpu` into `("gpu.group", "gpu.member")` of sizes (G/k, k); a multiple
-      k of it factors `node` into `("node.group", "node.member")` of sizes (N·G/k, k/G). Plans name the
-      whole axis (`"gpu"`), which resolves to its factors (`Plan.resolve`); hpZ then uses
-      `secondary_axes=("gpu.member",)` or `("node.member", "gpu")`. Device order is unchanged.
 
   Returns:
-    A `jax.sharding.Mesh` with axes `("node", "gpu")` (or their factors).
+    A `jax.sharding.Mesh` with axes `("node", "gpu")`.
   """
   devices = list(jax.devices() if devices is None else devices)
   nprocs = len({d.process_index for d in devices})
@@ -54,18 +56,7 @@ def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *,
   if nprocs > 1 and num_nodes != nprocs:
     raise ValueError(f"with {nprocs} processes the node axis is the process axis: num_nodes must be "
                      f"{nprocs}, got {num_nodes}")
-  grid = np.array(devices, dtype=object).reshape(num_nodes, gpus_per_node)
-  k = secondary_group
-  if k is None or k == gpus_per_node:
-    return Mesh(grid, AXES)
-  if k > 0 and gpus_per_node % k == 0:
-    return Mesh(grid.reshape(num_nodes, gpus_per_node // k, k), ("node", "gpu.group", "gpu.member"))
-  if k > 0 and k % gpus_per_node == 0 and num_nodes % (k // gpus_per_node) == 0:
-    m = k // gpus_per_node
-    return Mesh(grid.reshape(num_nodes // m, m, gpus_per_node), ("node.group", "node.member", "gpu"))
-  raise ValueError(f"secondary_group={k} must divide the {gpus_per_node} devices of a node or be a whole "
-                   f"number of nodes dividing the {num_nodes} nodes (e.g. {gpus_per_node // 2 or 1} or "
-                   f"{2 * gpus_per_node})")
+  return Mesh(np.array(devices, dtype=object).reshape(num_nodes, gpus_per_node), AXES)
 
 
 def axis_sizes(mesh) -> dict[str, int]:
@@ -86,6 +77,82 @@ def owner_index(axes) -> jax.Array:
   original order (DESIGN.md, "Parameter layout").
   """
   return jax.lax.axis_index(tuple(axes))
+
+
+def base_shape(mesh) -> tuple[int, int]:
+  """(nodes, gpus per node) of a `("node", "gpu")` mesh or of any factoring of it."""
+  sizes = axis_sizes(mesh)
+  nodes = math.prod(v for a, v in sizes.items() if is_node_axis(a))
+  return nodes, math.prod(sizes.values()) // nodes
+
+
+def is_node_axis(name: str) -> bool:
+  """Whether a mesh axis is `node` or one of its factors (it tells nodes apart)."""
+  return name == "node" or name.startswith("node.")
+
+
+def check_group(group: int, nodes: int, gpus: int, what: str = "group") -> None:
+  """Raises unless `group` consecutive devices form a valid group: a divisor of a node's devices, or a
+  whole number of nodes dividing the cluster."""
+  world = nodes * gpus
+  if group >= 1 and ((gpus % group == 0) or (group % gpus == 0 and nodes % (group // gpus) == 0)):
+    return
+  allowed = sorted({d for d in range(1, gpus + 1) if gpus % d == 0} |
+                   {gpus * m for m in range(1, nodes + 1) if nodes % m == 0})
+  raise ValueError(f"{what}={group} is not a valid group of the {nodes} x {gpus} mesh: use one of {allowed} "
+                   f"(a divisor of the {gpus} devices of a node, or whole nodes dividing the {world} devices)")
+
+
+def factor(mesh: Mesh, groups=()) -> Mesh:
+  """The mesh with its axes factored so that every group of `groups` consecutive devices is a set of axes.
+
+  Groups are consecutive ranks (rank = node * G + gpu), as in MiCS §3.2 and DeepSpeed; the devices of
+  equal position in their groups (the replicas) are then the remaining axes. A group size k that divides
+  G cuts `gpu` into factors, one that is m whole nodes cuts `node`. Factors are named by the group they
+  complete: with G = 4 and k = 2, `gpu` becomes `("gpu.4", "gpu.2")` of sizes (2, 2), and the group of
+  2 is the axis `gpu.2`; with N = 4 nodes and k = 2 nodes, `node` becomes `("node.4", "node.2")`.
+  Device order is unchanged: the factored grid is a reshape of the node-major one.
+  """
+  nodes, gpus = base_shape(mesh)
+  for k in groups:
+    check_group(k, nodes, gpus)
+  gpu_cuts = sorted({k for k in groups if 1 < k < gpus})
+  node_cuts = sorted({k // gpus for k in groups if gpus < k < nodes * gpus})
+  names, shape = [], []
+  for axis, size, cuts in (("node", nodes, node_cuts), ("gpu", gpus, gpu_cuts)):
+    chain = cuts + [size]
+    for a, b in zip(chain, chain[1:]):
+      if b % a:
+        raise ValueError(f"groups {sorted(groups)} do not nest: a group of {a} {axis}s cannot tile one of {b}; "
+                         "use group sizes that divide one another")
+    if not cuts:
+      names.append(axis)
+      shape.append(size)
+      continue
+    for hi, lo in zip(reversed(chain), list(reversed(chain))[1:] + [1]):
+      names.append(f"{axis}.{hi}")
+      shape.append(hi // lo)
+  grid = np.asarray(mesh.devices).reshape(shape)
+  if tuple(names) == tuple(mesh.axis_names):
+    return mesh
+  return Mesh(grid, tuple(names))
+
+
+def group_axes(mesh: Mesh, group: int) -> tuple[str, ...]:
+  """The axes of `mesh` (factored by `factor(mesh, [group])`) whose devices form groups of `group`
+  consecutive devices, major first; () for a group of one."""
+  nodes, gpus = base_shape(mesh)
+  sizes = axis_sizes(mesh)
+  out, covered = [], 1
+  for a in reversed(mesh.axis_names):  # minor first: gpu factors, then node factors
+    if covered * sizes[a] > group:
+      break
+    out.append(a)
+    covered *= sizes[a]
+  if covered != group:
+    raise ValueError(f"a group of {group} devices is not a set of axes of the mesh {dict(sizes)}; factor it "
+                     f"with zerojax.mesh.factor(mesh, [{group}])")
+  return tuple(reversed(out))
 
 
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,

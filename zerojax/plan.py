@@ -9,7 +9,7 @@ value driving one executor (`zerojax.executor`):
 | ZeRO-1  | ()           | ()           | (node, gpu)           | reduce-scatter          |
 | ZeRO-2  | ()           | (node, gpu)  | (node, gpu)           | -                       |
 | ZeRO-3  | (node, gpu)  | (node, gpu)  | (node, gpu)           | -                       |
-| MiCS    | (gpu,)       | (gpu,)       | (gpu,)                | all-reduce over node    |
+| MiCS    | group of k   | group of k   | group of k            | all-reduce over replicas|
 | ZeRO++  | (node, gpu)  | (node, gpu)  | (node, gpu)           | - ; int8 gather, hpZ, qgZ|
 
 References:
@@ -26,10 +26,17 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from zerojax import mesh as mesh_lib
 from zerojax.mesh import AXES
 
+Axes = tuple[str, ...] | int  # mesh axes by name, or a group of that many consecutive devices
 
-def _axes(axes: Sequence[str] | str) -> tuple[str, ...]:
+
+def _axes(axes: Sequence[str] | str | int) -> Axes:
+  if isinstance(axes, int) and not isinstance(axes, bool):
+    if axes < 1:
+      raise ValueError(f"a group of {axes} devices: use a positive group size")
+    return axes
   return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
@@ -37,11 +44,25 @@ def _axes(axes: Sequence[str] | str) -> tuple[str, ...]:
 class Plan:
   """How model states are sharded and communicated.
 
+  Each of `param_axes`, `grad_axes`, `opt_axes` and `secondary_axes` names mesh axes (`("node", "gpu")`,
+  `("gpu",)`) or is an int k: a group of k consecutive devices (a divisor of a node's devices, or whole
+  nodes). The executor factors the mesh so that every such group is a set of axes (`mesh.factor`) and
+  resolves the plan onto it (`resolve`); the devices outside a group that hold the same shard are the
+  replica axes.
+
   Attributes:
     name: label used in logs and reports.
     param_axes: A_p, mesh axes the parameters (P) are sharded over between layers.
     grad_axes: A_g ⊇ A_p, mesh axes the accumulated gradient (G) is sharded over.
     opt_axes: A_os ⊇ A_g, mesh axes the fp32 master weights and optimizer states are sharded over.
+    hierarchical: MiCS §3.3 all-gather for groups that span nodes: gather across nodes among devices
+      with the same local rank first (all in parallel), then inside the node. Same output as the flat
+      gather, (p - k) M / p instead of (p - 1) M / p bytes across nodes. None: on exactly when the
+      parameter group spans nodes (MiCS's default); True on a group inside one node is an error.
+    sync_in_backward: for plans with replicas and A_g = A_os (DP, MiCS): the last micro-step of an
+      accumulation window all-reduces each unit's gradient over the replica axes inside its backward,
+      overlapping the sync with the remaining backward compute; False syncs after the window (MiCS §3.4
+      as written). Same sums either way.
     param_dtype: dtype of the parameters on the wire (and in compute unless `compute_dtype` is set).
     compute_dtype: dtype the gathered parameters are cast to before the unit's computation (None:
       `param_dtype`). E.g. bf16 on the wire with fp32 compute, faster than bf16 math on CPUs.
@@ -62,36 +83,33 @@ class Plan:
     kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
   """
   name: str = "zero3"
-  param_axes: tuple[str, ...] = AXES
-  grad_axes: tuple[str, ...] = AXES
-  opt_axes: tuple[str, ...] = AXES
+  param_axes: Axes = AXES
+  grad_axes: Axes = AXES
+  opt_axes: Axes = AXES
+  hierarchical: bool | None = False
+  sync_in_backward: bool = True
   param_dtype: str = "bfloat16"
   reduce_dtype: str = "float32"
   compute_dtype: str | None = None
   weight_bits: int | None = None
   weight_block: int = 256
   quantize_backward_gather: bool = True
-  secondary_axes: tuple[str, ...] | None = None
+  secondary_axes: Axes | None = None
   grad_bits: int | None = None
   grad_block: int = 256
   qgz_stages: int = 1
   kernel_backend: str | None = None
 
   def __post_init__(self):
-    if self.secondary_axes is not None:
-      object.__setattr__(self, "secondary_axes", _axes(self.secondary_axes))
+    for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes"):
+      if getattr(self, f) is not None:
+        object.__setattr__(self, f, _axes(getattr(self, f)))
     self._check_zeropp()
     for f in ("param_axes", "grad_axes", "opt_axes"):
-      object.__setattr__(self, f, _axes(getattr(self, f)))
-    p, g, os_ = set(self.param_axes), set(self.grad_axes), set(self.opt_axes)
-    for f in ("param_axes", "grad_axes", "opt_axes"):
       axes = getattr(self, f)
-      if len(set(axes)) != len(axes):
+      if not isinstance(axes, int) and len(set(axes)) != len(axes):
         raise ValueError(f"plan {self.name!r}: {f}={axes} repeats an axis")
-    if not p <= g <= os_:
-      raise ValueError(f"plan {self.name!r}: shard axes must nest, params {self.param_axes} ⊆ grads "
-                       f"{self.grad_axes} ⊆ optimizer states {self.opt_axes}; a component cannot be "
-                       "sharded over an axis its successor is replicated over")
+    self._check_nesting()
     for f in ("param_dtype", "reduce_dtype", "compute_dtype"):
       if getattr(self, f) is None:
         continue
@@ -100,6 +118,19 @@ class Plan:
       except TypeError:
         raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)!r} is not a dtype name "
                          "(use 'float32' or 'bfloat16')") from None
+
+  def _check_nesting(self) -> None:
+    p, g, os_ = self.param_axes, self.grad_axes, self.opt_axes
+    if all(isinstance(a, int) for a in (p, g, os_)):
+      ok = g % p == 0 and os_ % g == 0
+    elif any(isinstance(a, int) for a in (p, g, os_)):
+      return  # checked once resolved onto a mesh
+    else:
+      ok = set(p) <= set(g) <= set(os_)
+    if not ok:
+      raise ValueError(f"plan {self.name!r}: shard groups must nest, params {p} ⊆ grads {g} ⊆ optimizer "
+                       f"states {os_}; a component cannot be sharded over devices its successor is replicated "
+                       "over")
 
   def _check_zeropp(self) -> None:
     for f, allowed in (("weight_bits", (None, 4, 8)), ("grad_bits", (None, 4, 8))):
@@ -114,7 +145,8 @@ class Plan:
     if self.weight_bits and not self.param_axes:
       raise ValueError(f"plan {self.name!r}: qwZ (weight_bits) quantizes the parameter all-gather, but "
                        "param_axes is empty; shard the parameters (e.g. zero3) or drop weight_bits")
-    if self.secondary_axes is not None:
+    if self.secondary_axes is not None and not isinstance(self.secondary_axes, int) and \
+        not isinstance(self.param_axes, int):
       within = lambda a: a in self.param_axes or a.split(".")[0] in self.param_axes
       if not self.secondary_axes or not all(within(a) for a in self.secondary_axes):
         raise ValueError(f"plan {self.name!r}: hpZ secondary_axes={self.secondary_axes} must be a non-empty "
@@ -122,9 +154,6 @@ class Plan:
     if self.grad_bits and not self.grad_axes:
       raise ValueError(f"plan {self.name!r}: qgZ (grad_bits) quantizes the gradient reduce-scatter, but "
                        "grad_axes is empty; shard the gradients (zero2/zero3/mics) or drop grad_bits")
-    if self.grad_bits and len(self.grad_order) > 1 and self.grad_order != AXES:
-      raise ValueError(f"plan {self.name!r}: qgZ reduces over {AXES} in node-major order (or over one "
-                       f"axis); grad axes {self.grad_order} are not (a factored mesh is not supported)")
 
   @property
   def alignment(self) -> int:
@@ -137,27 +166,58 @@ class Plan:
       blocks.append((self.grad_block or 2) * self.qgz_stages)
     return math.lcm(*blocks)
 
+  def groups(self) -> tuple[int, ...]:
+    """The group sizes the plan names as ints: the mesh is factored at each (`mesh.factor`)."""
+    fields = (self.param_axes, self.grad_axes, self.opt_axes, self.secondary_axes)
+    return tuple(sorted({a for a in fields if isinstance(a, int)}))
+
+  def check_groups(self, mesh: Mesh) -> None:
+    """Raises a one-line error for a group size the mesh cannot form (names the allowed sizes)."""
+    nodes, gpus = mesh_lib.base_shape(mesh)
+    for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes"):
+      if isinstance(getattr(self, f), int):
+        mesh_lib.check_group(getattr(self, f), nodes, gpus, what=f"plan {self.name!r}: {f}")
+
   def resolve(self, mesh: Mesh) -> "Plan":
-    """The plan on `mesh`'s own axes: a whole axis (`"gpu"`) the mesh factors (`"gpu.group"`,
-    `"gpu.member"`, see `make_mesh`) is replaced by its factors, major first."""
-    def expand(axes):
+    """The plan on `mesh`'s own axes (`mesh` factored by `mesh.factor(mesh, self.groups())`).
+
+    A group size becomes the axes of its group (`mesh.group_axes`); a whole axis (`"gpu"`) the mesh
+    factors (`"gpu.4"`, `"gpu.2"`) is replaced by its factors, major first; `hierarchical=None` becomes
+    whether the parameter group spans nodes. Raises for a plan the mesh cannot run.
+    """
+    self.check_groups(mesh)
+
+    def expand(axes, field):
       if axes is None:
         return None
+      if isinstance(axes, int):
+        return mesh_lib.group_axes(mesh, axes)
       out = []
       for a in axes:
         parts = [m for m in mesh.axis_names if a not in mesh.axis_names and m.startswith(a + ".")]
         out.extend(parts or [a])
       return tuple(out)
-    fields = {f: expand(getattr(self, f)) for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes")}
-    return dataclasses.replace(self, **fields) if fields != {f: getattr(self, f) for f in fields} else self
+    fields = {f: expand(getattr(self, f), f) for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes")}
+    resolved = dataclasses.replace(self, **fields)
+    spans = any(mesh_lib.is_node_axis(a) for a in resolved.param_axes) and \
+        any(not mesh_lib.is_node_axis(a) for a in resolved.param_axes)
+    if self.hierarchical and not spans:
+      raise ValueError(f"plan {self.name!r}: hierarchical=True, but the parameter group {resolved.param_axes} "
+                       f"of the mesh {mesh_lib.axis_sizes(mesh)} does not span nodes; use hierarchical=None "
+                       "(automatic) or False")
+    return dataclasses.replace(resolved, hierarchical=bool(spans if self.hierarchical is None else self.hierarchical))
 
   def validate(self, mesh: Mesh) -> None:
-    """Raises if the plan names an axis the mesh does not have."""
+    """Raises if the plan names an axis the mesh does not have, or its groups do not nest."""
     for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes"):
       for a in getattr(self, f) or ():
         if a not in mesh.axis_names:
           raise ValueError(f"plan {self.name!r}: {f} names axis {a!r}, but the mesh has axes "
                            f"{tuple(mesh.axis_names)}")
+    self._check_nesting()
+    if self.secondary_axes is not None and not set(self.secondary_axes) <= set(self.param_axes):
+      raise ValueError(f"plan {self.name!r}: the hpZ secondary group {self.secondary_axes} must lie inside the "
+                       f"parameter group {self.param_axes}; use a smaller secondary group")
 
   # Axis orders: each component's axes start with those of the component it is gathered into, so that
   # a tiled all-gather over the difference of axes returns the coarser shard in its original order.
@@ -194,14 +254,19 @@ def zero3(**kw) -> Plan:
   return Plan(name="zero3", param_axes=AXES, grad_axes=AXES, opt_axes=AXES, **kw)
 
 
-def mics(**kw) -> Plan:
-  """MiCS with the partition group = one node (MiCS §3.1, §3.3).
+def mics(group_size: int | None = None, hierarchical: bool | None = None, **kw) -> Plan:
+  """MiCS (Zhang et al. 2022): model states sharded inside partition groups, replicated across them.
 
-  Model states are sharded over `gpu` inside each node and replicated over `node`; gradients are
-  reduce-scattered inside the node every micro-step and all-reduced across nodes once per
-  accumulation window (the 2-hop synchronisation).
+  The partition group is `group_size` consecutive devices (§3.2): a divisor of a node's devices, one node
+  (the default, `None`), or a whole number of nodes dividing the cluster. Gradients are reduce-scattered
+  inside the group every micro-step and all-reduced over the replicas once per accumulation window (§3.4,
+  the 2-hop synchronisation); a group that spans nodes gathers hierarchically (§3.3) unless
+  `hierarchical=False`. Further plan fields (qwZ `weight_bits`, qgZ `grad_bits`, hpZ `secondary_axes`)
+  compose as for any plan.
   """
-  return Plan(name="mics", param_axes=("gpu",), grad_axes=("gpu",), opt_axes=("gpu",), **kw)
+  group = ("gpu",) if group_size is None else group_size
+  kw.setdefault("name", "mics")
+  return Plan(param_axes=group, grad_axes=group, opt_axes=group, hierarchical=hierarchical, **kw)
 
 
 def zeropp(weight_bits: int | None = 8, secondary_axes=("gpu",), grad_bits: int | None = 4, **kw) -> Plan:

@@ -40,6 +40,10 @@ class UnitMeta:
   axis_sizes: tuple[tuple[str, int], ...]
   treedef: Any
   leaves: tuple[LeafLayout, ...]
+  # MiCS §3.4 overlapped: in the last micro-step of a window, the backward also all-reduces the reduced
+  # gradient plus the window's accumulation (the sink's value) over these replica axes.
+  sync_axes: tuple[str, ...] = ()
+  calls: list = dataclasses.field(default_factory=list, init=False, compare=False, hash=False, repr=False)
 
   def size(self, axes: tuple[str, ...]) -> int:
     sizes = dict(self.axis_sizes)
@@ -74,7 +78,7 @@ def _gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
   plan = meta.plan
   bits = plan.weight_bits if (not backward or plan.quantize_backward_gather) else None
   return comm.all_gather_unit(shards, plan.param_axes, bits=bits, block=plan.weight_block,
-                                     backend=plan.kernel_backend)
+                              backend=plan.kernel_backend, hierarchical=plan.hierarchical)
 
 
 def _tree(meta: UnitMeta, flats: list) -> Any:
@@ -108,28 +112,30 @@ def _sharded_call(f, meta, shards, sinks, *args):
 
 
 def _sharded_fwd(f, meta, shards, sinks, *args):
-  del sinks
   flats = _gather_flats(meta, shards)
   # Residual: the primary shard, or with hpZ the secondary shard of the (dequantized) gathered weights,
   # so the backward uses exactly the forward's weights. Never the full gathered weights.
   kept = _secondary_shards(meta, flats) if meta.plan.secondary_axes else shards
-  return f(_tree(meta, flats), *args), (kept, args)
+  return f(_tree(meta, flats), *args), (kept, args, sinks if meta.sync_axes else None)
 
 
 def _sharded_bwd(f, meta, residuals, g):
-  kept, args = residuals
+  kept, args, window = residuals
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
   # gather (keeping full weights alive across the whole step) nor hoist it early.
   kept, g = lax.optimization_barrier((kept, g))
   if meta.plan.secondary_axes:
-    flats = comm.all_gather_unit(kept, meta.plan.secondary_axes)  # inside the node only
+    flats = comm.all_gather_unit(kept, meta.plan.secondary_axes, hierarchical=meta.plan.hierarchical)
   else:
     flats = _gather_flats(meta, kept, backward=True)
   _, vjp = jax.vjp(f, _tree(meta, flats), *args)
   dparams, *dargs = vjp(g)
   k_p = meta.size(meta.plan.param_axes)
   dshards = [jnp.zeros((l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]
-  return (dshards, _reduce(meta, dparams), *dargs)
+  dsinks = _reduce(meta, dparams)
+  if meta.sync_axes:  # the replica all-reduce of this layer, while earlier layers' backward runs
+    dsinks = [lax.psum(d + w, meta.sync_axes) for d, w in zip(dsinks, window)]
+  return (dshards, dsinks, *dargs)
 
 
 _sharded_call.defvjp(_sharded_fwd, _sharded_bwd)
@@ -148,6 +154,7 @@ def unit(f: Callable) -> Callable:
   @functools.wraps(f)
   def apply(params, *args):
     if isinstance(params, ShardedUnit):
+      params.meta.calls.append(f)
       return _sharded_call(f, params.meta, params.shards, params.sinks, *args)
     return f(params, *args)
   return apply

@@ -31,6 +31,8 @@ def _role(c: Collective) -> str:
     if forward or backward:
       return "forward all-gather" if forward else "backward all-gather"
     return "parameter update gather" if in_step else "other"
+  if c.op == "all-reduce" and backward:  # the unit reduces by reduce-scatter / all-to-all; an all-reduce
+    return "replica sync"                # in backward is the replica sync overlapped with it (sync_in_backward)
   if backward or (c.op == "reduce-scatter" and in_step):
     return "gradient reduction"
   if c.op == "all-reduce" and in_step:
@@ -71,7 +73,8 @@ def label_roles(collectives: list[Collective], feeds_forward: list[bool] | None 
     backward all-gather      all-gather under transpose (ZeRO-3 re-gather, hpZ secondary gather)
     gradient reduction       reduce-scatter / all-to-all in backward (ZeRO-2/3, qgZ), or the
                              reduce-scatter at the accumulation boundary (ZeRO-1)
-    replica sync             all-reduce of gradients over the replica axes (DP, MiCS)
+    replica sync             all-reduce of gradients over the replica axes (DP, MiCS), after the
+                             micro-batches or inside the last one's backward
     parameter update gather  all-gather of the updated master shard into the parameter shard
     metrics                  all-reduce of scalars only (mean loss, gradient norm)
     other                    anything else

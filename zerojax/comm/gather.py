@@ -7,14 +7,14 @@ collective's axes and `C` the packed chunk length.
 References:
   ZeRO: Rajbhandari et al. 2020, §5.3 (parameter all-gather).
   ZeRO++: Wang et al. 2023, §3.1 (qwZ: block-quantized weight all-gather).
+  MiCS: Zhang et al. 2022, §3.3 (hierarchical all-gather for groups that span nodes).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from zerojax import quantization
+from zerojax import mesh as mesh_lib, quantization
 from zerojax.comm.wire import all_gather_raw, pack_wire, unpack_wire
 
 
@@ -27,22 +27,42 @@ def _split_kxC(buf_kxC: jax.Array, chunks: list[int]) -> list[jax.Array]:
   return out
 
 
+def hierarchical_all_gather(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """`all_gather(x, axes, tiled=False)` in two stages when `axes` span nodes (MiCS §3.3).
+
+  Stage 1 gathers across nodes among devices of the same local rank (all local ranks in parallel, over
+  the node part of `axes`); stage 2 gathers inside the node (the gpu part). The transpose between them
+  is the paper's data rearrangement: the result `[k, ...]` is in owner order, identical to the flat
+  gather. Each node then receives (p - k) M / p bytes across nodes instead of (p - 1) M / p.
+  """
+  node_axes = tuple(a for a in axes if mesh_lib.is_node_axis(a))
+  gpu_axes = tuple(a for a in axes if not mesh_lib.is_node_axis(a))
+  if not node_axes or not gpu_axes or axes != node_axes + gpu_axes:
+    return all_gather_raw(x, axes, axis=0, tiled=False)
+  across = all_gather_raw(x, node_axes, axis=0, tiled=False)          # [N, ...]: same local rank
+  inside = all_gather_raw(across, gpu_axes, axis=0, tiled=False)      # [G, N, ...]
+  inside = jnp.swapaxes(inside, 0, 1)                                 # [N, G, ...]: owner n * G + g
+  return inside.reshape(-1, *x.shape)
+
+
 def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int | None = None,
-                    block: int = 256, backend: str | None = None) -> list[jax.Array]:
+                    block: int = 256, backend: str | None = None, hierarchical: bool = False) -> list[jax.Array]:
   """Gathers each leaf's local chunk `[c_i]` over `axes` into its full flat array `[k * c_i]`.
 
   With `bits` (qwZ, ZeRO++ §3.1) the packed chunk is block-quantized, values and scales are gathered,
-  and the result is dequantized on arrival into the chunk's dtype.
+  and the result is dequantized on arrival into the chunk's dtype. With `hierarchical` a group that
+  spans nodes gathers in two stages (MiCS §3.3, `hierarchical_all_gather`); the result is identical.
   """
   if not axes:
     return list(shards)
+  gather = hierarchical_all_gather if hierarchical else (lambda x, ax: all_gather_raw(x, ax, axis=0, tiled=False))
   buf_C = jnp.concatenate(shards)
   if bits is None:
-    buf_kxC = all_gather_raw(buf_C, axes, axis=0, tiled=False)
+    buf_kxC = gather(buf_C, axes)
   else:
     block = block or buf_C.shape[0]  # 0: one scale for the whole shard (non-blocked)
     v, s = quantization.quantize(buf_C, bits, block, backend=backend)
-    wire_kxW = lax.all_gather(pack_wire(v, s), axes, axis=0, tiled=False)
+    wire_kxW = gather(pack_wire(v, s), axes)
     v_kxV, s_kxS = unpack_wire(wire_kxW, v.shape[0], bits)
     buf_kxC = quantization.dequantize(v_kxV, s_kxS, bits, block, dtype=buf_C.dtype,
                                       backend=backend).reshape(v_kxV.shape[0], -1)

@@ -1,7 +1,9 @@
 """Registers the plan constructors with gin, so configs can say `train.plan = @zero3()`."""
 import gin
 
-from zerojax import plan
+from zerojax import plan, planner
 
 for _name, _fn in plan.PLANS.items():
   gin.external_configurable(_fn, name=_name)
+
+gin.external_configurable(planner.auto, name="auto")

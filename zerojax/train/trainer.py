@@ -16,7 +16,8 @@ from zerojax.executor import Executor
 from zerojax.memory import memory_report
 from zerojax.mesh import make_mesh
 from zerojax.models.gpt import GPTConfig, gpt
-from zerojax.plan import Plan
+from zerojax import planner
+from zerojax.plan import Plan, dp, zero3
 from zerojax.train import checkpoint as checkpoint_lib, data as data_lib, export as export_lib
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
 from zerojax.train.optim import make_optimizer
@@ -42,18 +43,39 @@ class NonFiniteError(RuntimeError):
 
 def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
           pad_multiple: int = 256, param_dtype: str | None = None, compute_dtype: str | None = None,
-          secondary_group: int | None = None) -> Executor:
+          secondary_group: int | None = None, batch_size: int = 32) -> Executor:
   """The executor `train` runs: the gin-configured GPT and optimizer under `plan` on a fresh mesh.
 
-  Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.accounting`.
+  Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.cli.account`.
+  With `plan = auto()` the AMSP planner picks the plan (`planner_rows` on the executor holds its table).
   """
+  if isinstance(plan, planner.Auto):
+    return _auto(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
+                 param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size)
   if param_dtype is not None:
     plan = dataclasses.replace(plan, param_dtype=param_dtype)
   if compute_dtype is not None:
     plan = dataclasses.replace(plan, compute_dtype=compute_dtype)
-  mesh = make_mesh(num_nodes or default_num_nodes(), secondary_group=secondary_group)
+  if secondary_group is not None:
+    plan = dataclasses.replace(plan, secondary_axes=secondary_group)
+  mesh = make_mesh(num_nodes or default_num_nodes())
   return Executor(gpt(model_config()), make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
                   pad_multiple=pad_multiple)
+
+
+def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor:
+  """Builds ZeRO-3 to read the model's units and activations, DP to time its compute, then the chosen plan."""
+  lead = jax.process_index() == 0
+  ex = build(zero3(), num_nodes, **kw)
+  seq = model_config().seq_len
+  batch = np.zeros((ex.accum_steps, batch_size, seq + 1), np.int32)
+  _, temp = planner.solve.measure_compute(lambda: ex, batch, reps=1)
+  compute_s, _ = planner.solve.measure_compute(lambda: build(dp(), num_nodes, **kw), batch)
+  work = dataclasses.replace(planner.workload(ex), compute_s=compute_s, activation_bytes=temp)
+  plan, rows = choice.plan_for(ex.mesh, work, log=(lambda m: print(m, flush=True)) if lead else (lambda m: None))
+  chosen = build(plan, num_nodes, **kw)
+  chosen.planner_rows = rows
+  return chosen
 
 
 @gin.configurable(denylist=["workdir", "data", "restore_from"])
@@ -93,7 +115,8 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
   """
   cfg = model_config()
   ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
-             param_dtype=param_dtype, compute_dtype=compute_dtype, secondary_group=secondary_group)
+             param_dtype=param_dtype, compute_dtype=compute_dtype, secondary_group=secondary_group,
+             batch_size=batch_size)
   plan, mesh = ex.plan, ex.mesh
   ex.check_batch((accum_steps, batch_size, cfg.seq_len + 1))  # fail before loading any data
   dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes, seq_len=cfg.seq_len)
@@ -165,6 +188,8 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
              "final_loss": loss, "final_eval_loss": eval_loss, "skipped_steps": int(state.skipped),
              "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if times else None,
              "data": dataset.source, "memory_bytes_per_device": memory_report(ex)["expected"]}
+  if getattr(ex, "planner_rows", None):
+    summary["planner"] = ex.planner_rows
   if lead:
     log.close()
     with open(os.path.join(workdir, "summary.json"), "w") as f:

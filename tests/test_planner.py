@@ -1,0 +1,132 @@
+"""AMSP: the plan space runs, the cost and memory models agree with what the executor does, the solver
+picks what the profile says is fastest among the plans that fit."""
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax import planner
+from zerojax.memory import memory_report
+from zerojax.planner import cost
+from tests import helpers
+
+
+def test_space_holds_the_known_plans_and_only_nested_points():
+  pts = planner.plan_space(2, 4)
+  names = {p.name(8) for p in pts}
+  assert {"dp", "zero1", "zero2", "zero3", "mics-2", "mics-4"} <= names
+  assert len(pts) == 16  # pairs s_p | s_os over {1, 2, 4, 8}: 10, six of them with s_g ∈ {s_p, s_os} distinct
+  for p in pts:
+    assert p.s_g % p.s_p == 0 and p.s_os % p.s_g == 0 and p.s_g in (p.s_p, p.s_os)
+  assert planner.degrees(4, 2) == [1, 2, 4, 8]
+  assert planner.degrees(3, 4) == [1, 2, 4, 12]
+  zpp = planner.plan_space(2, 4, zeropp=True)
+  assert len(zpp) == 16 + sum(p.s_p > 1 for p in pts)
+
+
+@pytest.fixture(scope="module")
+def ref():
+  model = helpers.tiny_gpt()
+  params = jax.jit(model.init)(jax.random.key(0))
+  batch = helpers.batches(1, 2)[0]
+  return model, params, batch, helpers.reference_grads(model, params, batch)
+
+
+@pytest.mark.parametrize("pt", planner.plan_space(2, 4), ids=lambda p: p.name(8))
+def test_every_point_runs_and_matches_single_device_grad(pt, ref):
+  model, params, batch, want = ref
+  plan = pt.plan(2, 4, param_dtype="float32")
+  got, _ = helpers.sharded_grads(plan, zerojax.make_mesh(2, 4), model, params, batch)
+  assert helpers.rel_l2(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("pt", [planner.Point(1, 1, 1), planner.Point(2, 2, 8), planner.Point(8, 8, 8),
+                                planner.Point(4, 8, 8)], ids=lambda p: p.name(8))
+def test_memory_formula_matches_the_executor_and_the_compiled_program(pt, ref):
+  """AMSP §IV-D: the formula's fp32 master + Adam moments per device equal the live state's shards
+  (padding aside) and the compiled step's argument bytes (which add the batch and two scalars)."""
+  model, params, batch, _ = ref
+  ex = zerojax.Executor(model, optax.adam(1e-3), pt.plan(2, 4), zerojax.make_mesh(2, 4), accum_steps=2)
+  state = ex.init_from_params(params)
+  work = planner.workload(ex)
+  mem = cost.model_state_bytes(pt, work, 4)
+  live = memory_report(ex, state)["measured"]
+  numel_padded = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves)
+  assert work.opt_bytes_per_param == 8
+  assert live["master"] + live["optimizer"] == 12 * numel_padded // pt.s_os
+  assert abs(mem["optimizer"] - (live["master"] + live["optimizer"])) <= 0.02 * mem["optimizer"]  # padding only
+  compiled = ex.step_fn().lower(state, jax.device_put(batch, ex.batch_sharding)).compile()
+  args = compiled.memory_analysis().argument_size_in_bytes
+  batch_bytes = batch.nbytes // 8
+  assert args - batch_bytes - (live["master"] + live["optimizer"]) in range(0, 64)  # step, skipped, Adam count
+
+
+def synthetic_profile(nodes, gpus, *, intra=1e-9, inter=1e-7, alpha=1e-4):
+  """α-β fits where a group that spans nodes is `inter / intra` times slower per byte."""
+  world = nodes * gpus
+  groups = {}
+  for pt in planner.plan_space(nodes, gpus, zeropp=True):
+    for _, k, s in cost.groups_needed(pt, world):
+      beta = inter if k * s > gpus else intra
+      groups[cost.group_key(k, s)] = {op: {"alpha": alpha, "beta": beta} for op in cost.OPS}
+  return {"mesh": {"nodes": nodes, "gpus": gpus}, "groups": groups}
+
+
+def test_solver_follows_the_profile_and_the_cap():
+  work = cost.Workload(units=((4096, 1), (65536, 4), (4096, 1)), accum=4, compute_s=0.1, activation_bytes=10**6)
+  fast = planner.rank(2, 4, work, synthetic_profile(2, 4, inter=1e-9))    # flat network: no penalty to span
+  slow = planner.rank(2, 4, work, synthetic_profile(2, 4, inter=1e-6))    # slow links between nodes
+  best_slow = planner.choose(slow)
+  # with slow links, per-micro-step traffic must stay inside a node: s_p and s_g within the node
+  assert best_slow["s_p"] <= 4 and best_slow["s_g"] <= 4, best_slow
+  assert best_slow["T_step"] <= min(r["T_step"] for r in slow if r["plan"] == "zero3")
+  assert [r["T_step"] for r in slow] == sorted(r["T_step"] for r in slow)
+  assert fast[0]["T_comm"] < best_slow["T_comm"]
+  # a cap below the fastest plan's memory: the choice fits, and is the fastest that does
+  cap = (slow[0]["bytes_per_device"] + min(r["bytes_per_device"] for r in slow)) / 2
+  capped = planner.rank(2, 4, work, synthetic_profile(2, 4, inter=1e-6), memory_cap_bytes=cap)
+  pick = planner.choose(capped, cap)
+  assert pick["bytes_per_device"] <= cap and pick is [r for r in capped if r["fits"]][0]
+  with pytest.raises(planner.PlanError, match=r"no plan fits .* the smallest, zero3, needs"):
+    planner.choose(planner.rank(2, 4, work, synthetic_profile(2, 4), memory_cap_bytes=1.0), 1.0)
+
+
+def test_cost_terms_follow_amsp_formulas():
+  prof = synthetic_profile(2, 4, intra=1e-9, inter=1e-9, alpha=0.0)
+  work = cost.Workload(units=((1000, 2),), accum=3)
+  z3 = cost.comm_time(planner.Point(8, 8, 8), work, prof, 4)
+  assert z3["T_p"] == pytest.approx(3 * 2 * 2 * (2 * 1000) * 1e-9)      # M x calls x (fwd + bwd) x 2 Φ_i
+  assert z3["T_g"] == pytest.approx(3 * 2 * (4 * 1000) * 1e-9)          # M x calls x 4 Φ_i
+  assert z3["T_os0"] == 0 and z3["T_os1"] == 0
+  z1 = cost.comm_time(planner.Point(1, 1, 8), work, prof, 4)
+  assert z1["T_p"] == 0 and z1["T_g"] == 0
+  assert z1["T_os0"] == pytest.approx(4 * 2000 * 1e-9)                  # reduce-scatter of 4Φ over 8
+  assert z1["T_os1"] == pytest.approx(2 * 2000 * 1e-9)                  # gather of 2Φ over 8
+  dp = cost.comm_time(planner.Point(1, 1, 1), work, prof, 4)
+  assert dp["T_os0"] == pytest.approx(4 * 2000 * 1e-9)                  # all-reduce of 4Φ over 8
+
+
+def test_profile_from_another_cluster_is_refused(tmp_path):
+  path = tmp_path / "p.json"
+  path.write_text(json.dumps({"mesh": {"nodes": 4, "gpus": 2}, "groups": {}}))
+  with pytest.raises(planner.PlanError, match=r"measured on 4 nodes x 2 gpus, but this cluster is 2 x 4"):
+    planner.load_profile(str(path), 2, 4)
+
+
+def test_profiler_measures_every_group_on_this_mesh():
+  from zerojax.planner import profile as profile_lib
+  mesh = zerojax.make_mesh(2, 4)
+  prof = profile_lib.profile(mesh, [4096, 65536], reps=1)
+  needed = {cost.group_key(k, s) for pt in planner.plan_space(2, 4, zeropp=True)
+            for _, k, s in cost.groups_needed(pt, 8)}
+  assert set(prof["groups"]) == needed
+  for g in prof["groups"].values():
+    for op in cost.OPS:
+      assert g[op]["alpha"] >= 0 and g[op]["beta"] >= 0 and len(g[op]["points"]) == 2
+  assert prof["groups"]["4@2"]["axes"] == ["node", "gpu.4"]  # replicas of a degree-2 shard: stride 2
+  work = cost.Workload(units=((4096, 1),), accum=1)
+  rows = planner.rank(2, 4, work, prof)
+  assert len(rows) == 16 and all(np.isfinite(r["T_step"]) for r in rows)

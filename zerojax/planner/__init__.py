@@ -1,0 +1,18 @@
+"""AMSP: per-component shard degrees chosen from a measured collective profile.
+
+| module    | holds                                                                 |
+|-----------|-----------------------------------------------------------------------|
+| `space`   | the plan space: shard degrees s_p ≤ s_g ≤ s_os, nested, s_g ∈ {s_p, s_os} |
+| `profile` | the collective profiler (`python -m zerojax.planner.profile`) and α-β fits |
+| `cost`    | T_p + T_g + T_os^0 + T_os^1 and the memory model                      |
+| `solve`   | ranking, the choice under a memory cap, and `auto()` for the trainer  |
+
+References:
+  AMSP: Chen et al. 2023 (`shared/seeds/amsp.txt`).
+"""
+from zerojax.planner.cost import Workload, comm_time, model_state_bytes
+from zerojax.planner.solve import Auto, PlanError, auto, choose, load_profile, rank, render, workload
+from zerojax.planner.space import Point, degrees, plan_space
+
+__all__ = ["Workload", "comm_time", "model_state_bytes", "Auto", "PlanError", "auto", "choose", "load_profile",
+           "rank", "render", "workload", "Point", "degrees", "plan_space"]

@@ -1,0 +1,113 @@
+"""AMSP's cost and memory model on a measured collective profile.
+
+Communication per step (AMSP §IV-C, in this executor's schedule; M micro-batches, unit sizes Φ_i, Φ the
+model, b the wire bytes of a parameter, 4 the bytes of an fp32 gradient):
+
+  T_p    = M Σ_i 2 t(AG, b Φ_i, s_p)                  forward and backward gathers (hpZ: backward in node)
+  T_g    = M Σ_i t(RS, 4 Φ_i, s_g)                    per-layer gradient reduce-scatter (qgZ: all-to-all)
+  T_os^0 = t(RS, 4Φ/s_g, s_os/s_g) + t(AR, 4Φ/s_os, s_dp/s_os)    boundary reduce-scatter, replica sync
+  T_os^1 = t(AG, b Φ/s_p, s_os/s_p)                   updated parameters into the parameter shard
+
+Each t is the profiled α + β v of that collective over that group, v the full buffer in bytes (the
+nccl-tests "algbw" convention). A group is (k devices, stride s): k consecutive members of a partition
+group have stride 1; the replicas of a shard of degree d have stride d. Predicted step time is
+compute + communication (no overlap assumed, an upper bound; the executor overlaps what it can).
+
+Memory per device (AMSP §IV-D with this executor's mixed precision): b Φ/s_p + 4Φ/s_g + (4 + o)Φ/s_os
+(o: optimizer-state bytes per parameter, 8 for Adam), plus hpZ's secondary shard, plus the activations
+and temporaries of the compiled step.
+
+References:
+  AMSP: Chen et al. 2023, §IV-C (T_p, T_g, T_os^0, T_os^1), §IV-D (memory), §V-B (solver).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from zerojax.planner.space import Point
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def group_key(k: int, stride: int) -> str:
+  return f"{k}@{stride}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What the cost model needs of a model and a run: unit sizes (elements per call, calls per micro-step),
+  micro-batches per step, bytes of a parameter on the wire, optimizer bytes per parameter, measured
+  compute seconds per step and activation/temporary bytes per device."""
+  units: tuple[tuple[int, int], ...]
+  accum: int
+  param_bytes: int = 2
+  opt_bytes_per_param: int = 8
+  compute_s: float = 0.0
+  activation_bytes: int = 0
+
+  @property
+  def numel(self) -> int:
+    return sum(n * calls for n, calls in self.units)
+
+
+def groups_needed(point: Point, world: int) -> list[tuple[str, int, int]]:
+  """(op, k, stride) of every collective a point runs (k > 1)."""
+  p, g, os_ = point.s_p, point.s_g, point.s_os
+  out = []
+  if p > 1:
+    out.append(("all_gather", p, 1))
+  if g > 1:
+    out.append(("all_to_all" if point.zeropp else "reduce_scatter", g, 1))
+  if os_ > g:
+    out.append(("reduce_scatter", os_ // g, g))
+  if os_ < world:
+    out.append(("all_reduce", world // os_, os_))
+  if os_ > p:
+    out.append(("all_gather", os_ // p, p))
+  return out
+
+
+def comm_time(point: Point, work: Workload, profile: dict, gpus: int) -> dict:
+  """T_p, T_g, T_os^0, T_os^1 and their sum (seconds per step) from the profile's α-β fits."""
+  world = profile["mesh"]["nodes"] * profile["mesh"]["gpus"]
+  p, g, os_ = point.s_p, point.s_g, point.s_os
+
+  def t(op, v, k, stride):
+    if k <= 1:
+      return 0.0
+    key = group_key(k, stride)
+    fit = profile["groups"].get(key, {}).get(op)
+    if fit is None:
+      raise ValueError(f"the profile has no {op} over groups of {k} devices with stride {stride}; profile "
+                       "this cluster again with `python -m zerojax.planner.profile`")
+    return fit["alpha"] + fit["beta"] * v
+
+  wire = work.param_bytes if not point.zeropp else 1 + 4 / 256  # qwZ: int8 + one fp32 scale per block
+  t_p = t_g = 0.0
+  for n, calls in work.units:
+    fwd = t("all_gather", wire * n, p, 1)
+    hpz = point.zeropp and p > gpus  # the secondary shard lives in the node: the backward gathers there
+    bwd = t("all_gather", work.param_bytes * n, gpus, 1) if hpz else fwd
+    t_p += work.accum * calls * (fwd + bwd)
+    if point.zeropp:
+      t_g += work.accum * calls * t("all_to_all", (0.5 + 4 / 256) * n, g, 1)
+    else:
+      t_g += work.accum * calls * t("reduce_scatter", 4 * n, g, 1)
+    # the first reduction hop is over s_p, the rest of s_g: one collective over s_g in this executor
+  phi = work.numel
+  t_os0 = t("reduce_scatter", 4 * phi / g, os_ // g, g) + t("all_reduce", 4 * phi / os_, world // os_, os_)
+  t_os1 = t("all_gather", work.param_bytes * phi / p, os_ // p, p)
+  total = t_p + t_g + t_os0 + t_os1
+  return {"T_p": t_p, "T_g": t_g, "T_os0": t_os0, "T_os1": t_os1, "T_comm": total,
+          "T_step": work.compute_s + total}
+
+
+def model_state_bytes(point: Point, work: Workload, gpus: int) -> dict:
+  """Per-device bytes of parameters, gradients, master weights + optimizer states (AMSP §IV-D)."""
+  phi = work.numel
+  out = {"params": work.param_bytes * phi // point.s_p, "grads": 4 * phi // point.s_g,
+         "optimizer": (4 + work.opt_bytes_per_param) * phi // point.s_os,
+         "hpz_secondary": work.param_bytes * phi // gpus if point.zeropp and point.s_p > gpus else 0}
+  out["model_state"] = sum(out.values())
+  out["total"] = out["model_state"] + work.activation_bytes
+  return out
