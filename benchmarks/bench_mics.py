@@ -99,8 +99,7 @@ def markdown(report: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def write_section(path: str, text: str) -> None:
-  marker = "## MiCS partition groups on the emulated cluster"
+def write_section(path: str, text: str, marker: str = "## MiCS partition groups on the emulated cluster") -> None:
   old = open(path).read() if os.path.exists(path) else ""
   if marker in old:
     start = old.index(marker)

@@ -279,4 +279,12 @@ def zeropp(weight_bits: int | None = 8, secondary_axes=("gpu",), grad_bits: int 
               secondary_axes=secondary_axes, grad_bits=grad_bits, **kw)
 
 
+def amsp(s_p: int, s_g: int, s_os: int, **kw) -> Plan:
+  """AMSP (Chen et al. 2023, §IV): parameters, gradients and optimizer states sharded over groups of
+  s_p | s_g | s_os consecutive devices and replicated across them; `zerojax.planner` picks the degrees."""
+  kw.setdefault("name", f"amsp-p{s_p}-g{s_g}-os{s_os}")
+  kw.setdefault("hierarchical", None)
+  return Plan(param_axes=s_p, grad_axes=s_g, opt_axes=s_os, **kw)
+
+
 PLANS = {"dp": dp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "mics": mics, "zeropp": zeropp}

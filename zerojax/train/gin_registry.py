@@ -6,4 +6,5 @@ from zerojax import plan, planner
 for _name, _fn in plan.PLANS.items():
   gin.external_configurable(_fn, name=_name)
 
+gin.external_configurable(plan.amsp, name="amsp")
 gin.external_configurable(planner.auto, name="auto")
