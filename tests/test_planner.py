@@ -130,3 +130,22 @@ def test_profiler_measures_every_group_on_this_mesh():
   work = cost.Workload(units=((4096, 1),), accum=1)
   rows = planner.rank(2, 4, work, prof)
   assert len(rows) == 16 and all(np.isfinite(r["T_step"]) for r in rows)
+
+
+def test_auto_in_the_trainer_picks_a_plan_from_the_profile(tmp_path):
+  """`train.plan = @auto()`: the trainer builds the planner's choice (here: a profile whose cross-node
+  links are 1000x slower keeps every per-micro-step collective inside the node)."""
+  import gin
+  from zerojax.train import trainer
+  path = tmp_path / "profile.json"
+  path.write_text(json.dumps(synthetic_profile(2, 4, intra=1e-10, inter=1e-7)))
+  gin.clear_config()
+  gin.parse_config(["model_config.d_model = 32", "model_config.num_layers = 2", "model_config.seq_len = 16"])
+  try:
+    ex = trainer.build(planner.auto(profile=str(path)), 2, accum_steps=2, batch_size=8)
+  finally:
+    gin.clear_config()
+  rows = ex.planner_rows
+  assert ex.plan.name == rows[0]["plan"] and rows == sorted(rows, key=lambda r: r["T_step"])
+  assert rows[0]["s_g"] <= 4 and rows[0]["s_p"] <= 4
+  assert all(a in ex.mesh.axis_names for a in ex.plan.grad_axes)
