@@ -80,6 +80,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                    "T_min": min(r["t"] for r in rs), "T_max": max(r["t"] for r in rs), "reps": len(rs),
                    "C": c, "W": w, "cross_node_MB_per_step": bytes_ / 1e6,
                    "T_over_max_CW": t / max(c, w) if c else None,
+                   "eta": (c + w - t) / min(c, w) if c and min(c, w) > 0 else None,
                    "speedup_vs_zero3": t3 / t if t3 else None})
   return rows
 
@@ -89,12 +90,13 @@ def markdown(report: dict) -> str:
            f"{report['date']}, {report['cpus']} CPU cores, default GPT, batch 32, `benchmarks/bench_mics.py "
            f"{' '.join(report['argv'])}`. Medians of {report['reps']} interleaved repetitions (min–max in "
            "brackets). C: the same plan's step time on unshaped links; W: measured cross-node payload bytes "
-           "per step per node / link rate; T / max(C, W) = 1 is the physical limit.", "",
-           "| nodes x gpus | accum | rate | plan | T s/step | C | W | T/max(C,W) | cross-node MB/step | vs ZeRO-3 |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "per step per node / link rate; T / max(C, W) = 1 is the physical limit; overlap efficiency "
+           "η = (C + W − T) / min(C, W) (1: the shorter of compute and wire fully hidden, 0: none).", "",
+           "| nodes x gpus | accum | rate | plan | T s/step | C | W | T/max(C,W) | η | cross-node MB/step | vs ZeRO-3 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in report["rows"]:
     lines.append(f"| {r['shape']} | {r['accum']} | {r['rate']} | {r['plan']} | {r['T']:.3f} [{r['T_min']:.3f}–"
-                 f"{r['T_max']:.3f}] | {r['C']:.3f} | {r['W']:.3f} | {r['T_over_max_CW']:.2f} | "
+                 f"{r['T_max']:.3f}] | {r['C']:.3f} | {r['W']:.3f} | {r['T_over_max_CW']:.2f} | {r['eta']:.2f} | "
                  f"{r['cross_node_MB_per_step']:.2f} | {r['speedup_vs_zero3']:.2f}x |")
   return "\n".join(lines) + "\n"
 
