@@ -191,7 +191,8 @@ def _docs(fn, section: str = "Args:") -> dict[str, str]:
       out[name] = m.group(2)
     elif inside and name and line.startswith("    "):
       out[name] += " " + line.strip()
-  return {k: v.split(". ")[0].rstrip(".") for k, v in out.items()}
+  first = lambda text: re.split(r"(?<=[\w)])\. (?=[A-Z])", text)[0].rstrip(".")
+  return {k: first(v) if len(first(v)) <= 100 else first(v)[:97] + "..." for k, v in out.items()}
 
 
 def parameters_help() -> str:
@@ -211,20 +212,18 @@ def parameters_help() -> str:
 
   add("train", trainer.train, skip=("workdir", "data", "restore_from", "allow_changed"))
   add("model_config", trainer.model_config)
-  add("make_optimizer", make_optimizer, skip=("total_steps",),
-      docs={"name": "'adamw', 'lion' or 'sgd'", "warmup_steps": "warmup of the cosine schedule over train.steps"})
+  add("make_optimizer", make_optimizer, skip=("total_steps",))
   add("zeropp", plan_lib.zeropp, docs={"weight_bits": "qwZ: bits of the forward weight gather (None: off)",
                                        "secondary_axes": "hpZ: axes of the secondary shard (None: off)",
                                        "grad_bits": "qgZ: bits of the gradient reduction (None: off)"})
   fields = _docs(plan_lib.Plan, "Attributes:")
-  plans = "|".join(plan_lib.PLANS)
   for name, p in inspect.signature(plan_lib.Plan).parameters.items():
     if name not in ("name", "param_axes", "grad_axes", "opt_axes"):
-      rows.append((f"{{{plans}}}.{name} = {p.default!r}", fields.get(name, "")))
+      rows.append((f"PLAN.{name} = {p.default!r}", fields.get(name, "")))
   width = max(len(r[0]) for r in rows) + 2
-  body = "\n".join(f"  {a.ljust(width)}{b}" for a, b in rows)
+  body = "\n".join(f"  {a.ljust(width)}{b}".rstrip() for a, b in rows)
   return ("gin parameters (--gin_param='NAME=VALUE'), with their defaults; configs/base.gin sets some of "
-          f"them:\n{body}")
+          f"them. PLAN is the plan's constructor: {', '.join(plan_lib.PLANS)} (e.g. zero3.param_dtype):\n{body}")
 
 
 if __name__ == "__main__":

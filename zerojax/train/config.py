@@ -50,8 +50,13 @@ def _configs() -> list[str]:
 
 
 def _message(e: Exception) -> str:
-  """The exception's text without gin's location lines, on one line."""
-  lines = [l.strip() for l in str(e).splitlines() if l.strip() and not _LOCATION.match(l)]
+  """The exception's text without gin's location lines (and the statement quoted under them), on one line."""
+  token = re.search(r"Failed to parse token '([^']*)'", str(e))
+  if token:
+    return (f"cannot read the value {token.group(1)} (a string needs quotes, e.g. '{token.group(1)}'; "
+            "numbers, None, True, False, tuples and @references need none)")
+  lines = [l.strip() for l in str(e).splitlines() if l.strip() and not _LOCATION.match(l)
+           and not l.startswith("    ")]
   return " ".join(lines) or type(e).__name__
 
 

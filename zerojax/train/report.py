@@ -6,6 +6,7 @@ step appears once, and the TensorBoard writer purges the events past it.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 
@@ -70,6 +71,7 @@ class RunLog:
     os.replace(tmp, self.path)
     self._file = open(self.path, "a")
     from tensorboardX import SummaryWriter
+    logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)  # a skipped step's NaN loss is logged as is
     self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD), purge_step=start_step + 1 if start_step else None)
 
   def first_loss(self) -> float | None:

@@ -28,6 +28,16 @@ from zerojax.train.signals import StopSignal
 @gin.configurable
 def model_config(vocab_size: int = 256, seq_len: int = 128, d_model: int = 128, num_heads: int = 4,
                  num_layers: int = 4, mlp_ratio: int = 4) -> GPTConfig:
+  """The GPT `train` builds (a resume never changes it).
+
+  Args:
+    vocab_size: tokens (256: one per byte).
+    seq_len: tokens per training sequence (the context).
+    d_model: width of the residual stream.
+    num_heads: attention heads per layer.
+    num_layers: transformer blocks.
+    mlp_ratio: MLP hidden width over d_model.
+  """
   return GPTConfig(vocab_size, seq_len, d_model, num_heads, num_layers, mlp_ratio)
 
 
