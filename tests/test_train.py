@@ -12,13 +12,34 @@ TINY = ["model_config.d_model=32", "model_config.num_layers=2", "model_config.se
         "train.max_data_bytes=2000000"]
 
 
-def train(tmp_path, *params, gin_file="configs/zero3.gin", extra=(), cwd=ROOT, env=None, **kw):
-  """Runs train.py as a user does (`python .../train.py --gin_file=... --workdir=...`) and waits for it."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} if env is None else env
-  cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={tmp_path}", *extra]
+def command(workdir, *params, gin_file="configs/zero3.gin", extra=(), tiny=True) -> list[str]:
+  """`python .../train.py --workdir=... [--gin_file=...] --gin_param=...` with the TINY model."""
+  cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}", *extra]
   cmd += [f"--gin_file={gin_file}"] if gin_file else []
-  cmd += [f"--gin_param={p}" for p in TINY + list(params)]
-  return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, **kw)
+  return cmd + [f"--gin_param={p}" for p in (TINY if tiny else []) + list(params)]
+
+
+def clean_env() -> dict:
+  return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def train(workdir, *params, gin_file="configs/zero3.gin", extra=(), tiny=True, cwd=ROOT, env=None, **kw):
+  """Runs train.py as a user does and waits for it."""
+  cmd = command(workdir, *params, gin_file=gin_file, extra=extra, tiny=tiny)
+  return subprocess.run(cmd, cwd=cwd, env=clean_env() if env is None else env, capture_output=True, text=True,
+                        timeout=600, **kw)
+
+
+def steps_of(workdir) -> list[int]:
+  """The steps of metrics.jsonl, in order."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line)["step"] for line in f]
+
+
+def saved_steps(workdir) -> list[int]:
+  """The finished checkpoints' steps."""
+  folder = os.path.join(workdir, "checkpoints")
+  return sorted(int(d) for d in os.listdir(folder) if d.isdigit()) if os.path.isdir(folder) else []
 
 
 def error_line(r) -> str:

@@ -1,6 +1,5 @@
 """train.py as a 2-process cluster: a killed process stops the other within a bounded time, and the
 same two commands started again resume from the last checkpoint."""
-import json
 import os
 import re
 import subprocess
@@ -10,7 +9,7 @@ import time
 import pytest
 
 from tests.test_multiprocess import free_port
-from tests.test_train import ROOT, TINY
+from tests.test_train import ROOT, TINY, clean_env, saved_steps as steps_saved, steps_of
 
 STEPS = 60
 HEARTBEAT_S = 5
@@ -21,14 +20,8 @@ def start(workdir, pid, port):
           f"--coordinator=localhost:{port}", "--num_processes=2", f"--process_id={pid}", "--devices=4",
           f"--heartbeat_timeout={HEARTBEAT_S}"]
   params = TINY + [f"train.steps={STEPS}", "train.checkpoint_every=4", "train.eval_every=0"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.Popen(args + [f"--gin_param={p}" for p in params], cwd=ROOT, env=env, text=True,
+  return subprocess.Popen(args + [f"--gin_param={p}" for p in params], cwd=ROOT, env=clean_env(), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def steps_saved(workdir):
-  folder = os.path.join(workdir, "checkpoints")
-  return sorted(int(d) for d in os.listdir(folder) if d.isdigit()) if os.path.isdir(folder) else []
 
 
 @pytest.mark.multiprocess
@@ -63,5 +56,4 @@ def test_killed_process_stops_its_peer_and_both_resume(tmp_path):
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
   assert re.search(rf"restored step {last} from", outs[0]), outs[0][-3000:]
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
+  assert steps_of(workdir) == list(range(1, STEPS + 1))
