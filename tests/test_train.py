@@ -23,11 +23,11 @@ def clean_env() -> dict:
   return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
-def train(workdir, *params, gin_file="configs/zero3.gin", extra=(), tiny=True, cwd=ROOT, env=None, **kw):
-  """Runs train.py as a user does and waits for it."""
-  cmd = command(workdir, *params, gin_file=gin_file, extra=extra, tiny=tiny)
+def train(workdir, *params, gin_file="configs/zero3.gin", extra=(), tiny=True, cwd=ROOT, env=None, prefix=()):
+  """Runs train.py as a user does and waits for it (`prefix`: a command that runs it, e.g. with a limit)."""
+  cmd = [*prefix, *command(workdir, *params, gin_file=gin_file, extra=extra, tiny=tiny)]
   return subprocess.run(cmd, cwd=cwd, env=clean_env() if env is None else env, capture_output=True, text=True,
-                        timeout=600, **kw)
+                        timeout=600)
 
 
 def steps_of(workdir) -> list[int]:

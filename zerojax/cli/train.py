@@ -18,9 +18,11 @@ import re
 import signal
 import sys
 import traceback
+import warnings
 
 import gin
 
+from zerojax.train.checkpoint import SaveError
 from zerojax.train.config import REPO_ROOT, ConfigError  # noqa: F401  (REPO_ROOT: configs resolve against it)
 
 DEFAULT_DEVICES = 8
@@ -79,6 +81,9 @@ def main(argv=None):
       traceback.print_exc()
     print(f"zerojax: error: {one_line(e)}" + ("" if args.verbose else " (--verbose shows the traceback)"),
           file=sys.stderr, flush=True)
+    if isinstance(e, SaveError):  # orbax's threads of the failed save wait minutes for each other: end now
+      sys.stdout.flush()
+      os._exit(code)
     return code
 
 
@@ -99,7 +104,9 @@ def one_line(e: Exception) -> str:
 
 def _quiet() -> None:
   """Keeps orbax's logged tracebacks (of failed background saves, re-raised here) off the terminal."""
-  logging.getLogger("absl").setLevel(logging.CRITICAL)
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).setLevel(logging.CRITICAL)
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
   sys.unraisablehook = lambda unraisable: None
 
 

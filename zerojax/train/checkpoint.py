@@ -8,6 +8,7 @@ References:
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -108,7 +109,7 @@ class Checkpointer:
     step, self._pending = self._pending, None
     done = [s for s in self.all_steps() if s != step]
     kept = f"the checkpoint of step {max(done)} is intact" if done else "no earlier checkpoint exists"
-    return SaveError(f"saving the checkpoint of step {step} in {self.directory} failed ({_first_line(e)}); "
+    return SaveError(f"saving the checkpoint of step {step} in {self.directory} failed ({_os_error(e)}); "
                      f"{kept}: free disk space or make the folder writable, then run the same command to "
                      "resume from there")
 
@@ -208,6 +209,15 @@ def _first_line(e: Exception, limit: int = 200) -> str:
   text = str(e).strip()
   line = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
   return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _os_error(e: Exception) -> str:
+  """The operating system's reason of a failed write ("File too large", "No space left on device"), else
+  the error's first line. Tensorstore reports it as `[os_error_code='27']` inside its message."""
+  if isinstance(e, OSError) and e.errno:
+    return f"{os.strerror(e.errno)}: {e.filename}" if e.filename else os.strerror(e.errno)
+  code = re.search(r"os_error_code='?(\d+)", str(e))
+  return os.strerror(int(code.group(1))) if code else _first_line(e)
 
 
 class Resumed(NamedTuple):
