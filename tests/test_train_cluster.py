@@ -11,7 +11,7 @@ import pytest
 from tests.test_multiprocess import free_port
 from tests.test_train import ROOT, TINY, clean_env, saved_steps as steps_saved, steps_of
 
-STEPS = 60
+STEPS = 30
 HEARTBEAT_S = 5
 
 
