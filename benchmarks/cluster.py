@@ -381,7 +381,7 @@ def run(args) -> dict:
   median = statistics.median(times)
   tokens_per_step = rows[to_step]["tokens_per_s"] * rows[to_step]["step_time_s"]
   out = {
-      "gin_files": args.gin_file, "gin_params": args.gin_param, "plan": summary.get("plan"),
+      "gin_files": args.gin_file, "gin_params": args.gin_param, "plan": summary.get("plan_name", summary.get("plan")),
       "nodes": args.nodes, "devices_per_node": args.devices, "rate": rate or "none", "delay": delay or "0",
       "steps": args.steps, "window": {"from_step": from_step, "to_step": to_step, "steps": n, "seconds": t1 - t0},
       "median_step_time_s": median, "tokens_per_s": tokens_per_step / median,

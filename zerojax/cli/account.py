@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import inspect
 import json
-import os
 import sys
 
 import jax
@@ -24,15 +23,12 @@ def _gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):
   """Parses the gin config as `train.py` does and builds its executor; returns it with `train`'s args."""
   import gin
 
-  from zerojax.cli.train import REPO_ROOT
-  from zerojax.train import trainer
+  from zerojax.train import config as config_lib, trainer
 
-  gin.add_config_file_search_path(REPO_ROOT)
-  for f in gin_files:
-    if not os.path.exists(f) and not os.path.exists(os.path.join(REPO_ROOT, f)):
-      raise SystemExit(f"error: --gin_file {f!r} does not exist (configs are in configs/)")
-  gin.parse_config_files_and_bindings([f if os.path.exists(f) else os.path.join(REPO_ROOT, f)
-                                       for f in gin_files], gin_params)
+  try:
+    config_lib.parse(gin_files, gin_params)
+  except config_lib.ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
   args = {k: v.default for k, v in inspect.signature(trainer.train).parameters.items()
           if v.default is not inspect.Parameter.empty}
   args.update(gin.get_bindings(trainer.train))

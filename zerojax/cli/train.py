@@ -3,66 +3,234 @@
   python train.py --gin_file=configs/zero3.gin --gin_param='train.steps=200' --workdir=DIR
 
 Resumes from the latest checkpoint in DIR/checkpoints; --restore_from=OTHER starts from another run's.
+Ctrl-C or SIGTERM: finish the step, save a checkpoint, exit 130 / 143 (press Ctrl-C twice to exit at
+once). Config, data and checkpoint errors print one line and exit 2 (--verbose: with the traceback).
 
 Multi-host: run the same command on every host with --coordinator=HOST:PORT --num_processes=N
 --process_id=I (detected automatically under SLURM / Open MPI when omitted).
 """
 import argparse
+import inspect
 import json
+import logging
 import os
+import re
+import signal
 import sys
+import traceback
+import warnings
 
 import gin
 
-# The repository root: `configs/` and includes such as `configs/base.gin` resolve against it too.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerojax.train.checkpoint import SaveError
+from zerojax.train.config import REPO_ROOT, ConfigError  # noqa: F401  (REPO_ROOT: configs resolve against it)
+
+DEFAULT_DEVICES = 8
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one line, exit 2
+    self.exit(2, f"train.py: error: {message} (see train.py --help)\n")
+
+
+def parser(with_parameters: bool = False) -> argparse.ArgumentParser:
+  """The command line; `with_parameters` lists the gin parameters in the help (imports the trainer)."""
+  ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog=parameters_help() if with_parameters else None)
+  ap.add_argument("--gin_file", action="append", default=[],
+                  help="gin config file (repeatable); relative to the working directory or the repository")
   ap.add_argument("--gin_param", action="append", default=[], help="gin binding, e.g. train.steps=100")
-  ap.add_argument("--workdir", required=True, help="output folder (metrics.jsonl, summary.json)")
+  ap.add_argument("--workdir", required=True,
+                  help="output folder (metrics.jsonl, summary.json, config.gin, loss.png, tensorboard/, "
+                       "checkpoints/)")
   ap.add_argument("--data", default=None, help="text file or folder (default: Python stdlib sources)")
   ap.add_argument("--restore_from", default=None,
                   help="workdir or checkpoint folder to start from when --workdir has no checkpoint yet "
                        "(any mesh, process count or plan; same model and optimizer)")
+  ap.add_argument("--allow_changed", action="append", default=[], metavar="NAME[,NAME]",
+                  help="settings that may differ from the checkpoint's on resume, e.g. train.steps or "
+                       "train.batch_size (the model never may)")
   ap.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (multi-host)")
   ap.add_argument("--num_processes", type=int, default=None)
   ap.add_argument("--process_id", type=int, default=None)
+  ap.add_argument("--heartbeat_timeout", type=int, default=30,
+                  help="seconds after which a silent process counts as dead and the others stop (multi-host)")
   ap.add_argument("--devices", type=int, default=None,
-                  help="simulated CPU devices in this process (default 8 on a CPU-only machine)")
-  args = ap.parse_args(argv)
-  if args.data is not None and not os.path.exists(args.data):
-    ap.error(f"--data path {args.data!r} does not exist; pass a text file or a folder of text files")
-  if args.restore_from is not None and not os.path.isdir(args.restore_from):
-    ap.error(f"--restore_from folder {args.restore_from!r} does not exist; pass the workdir of a run that "
-             "saved checkpoints, or its checkpoints/ folder")
-  for f in args.gin_file:
-    if not os.path.exists(f):
-      ap.error(f"--gin_file {f!r} does not exist (configs are in configs/)")
+                  help="CPU devices in this process (default: JAX_NUM_CPU_DEVICES or XLA_FLAGS' "
+                       f"--xla_force_host_platform_device_count if set, else {DEFAULT_DEVICES} on a "
+                       "machine without an accelerator)")
+  ap.add_argument("--verbose", action="store_true", help="print the traceback of errors")
+  return ap
 
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parser(with_parameters=bool({"-h", "--help"} & set(argv))).parse_args(argv)
+  if not args.verbose:
+    _quiet()
+  try:
+    return _run(args)
+  except KeyboardInterrupt:  # before the training loop took over the signal
+    print("zerojax: interrupted before training started; nothing was saved", file=sys.stderr, flush=True)
+    return 130
+  except Exception as e:  # noqa: BLE001
+    code = _exit_code(e)
+    if code is None:
+      raise
+    if args.verbose:
+      traceback.print_exc()
+    print(f"zerojax: error: {one_line(e)}" + ("" if args.verbose else " (--verbose shows the traceback)"),
+          file=sys.stderr, flush=True)
+    if isinstance(e, SaveError):  # orbax's threads of the failed save wait minutes for each other: end now
+      sys.stdout.flush()
+      os._exit(code)
+    return code
+
+
+def _exit_code(e: Exception) -> int | None:
+  """2 for what the user can fix (config, data, checkpoint, disk), 1 for a diverged run, None otherwise."""
+  if isinstance(e, (ValueError, TypeError, OSError)):  # ConfigError and CheckpointError are ValueErrors
+    return 2
+  from zerojax.train.trainer import NonFiniteError
+  return 1 if isinstance(e, NonFiniteError) else None
+
+
+def one_line(e: Exception) -> str:
+  """The error's message on one line, without gin's "In call to configurable" context."""
+  lines = [l.strip() for l in str(e).splitlines() if l.strip()
+           and not re.match(r"\s*In (call to configurable|file|bindings string)", l)]
+  return "; ".join(lines) or type(e).__name__
+
+
+def _quiet() -> None:
+  """Keeps orbax's logged tracebacks (of failed background saves, re-raised here) off the terminal."""
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).setLevel(logging.CRITICAL)
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
+  sys.unraisablehook = lambda unraisable: None
+
+
+def _run(args) -> int:
+  for flag in ("data", "restore_from"):
+    path = getattr(args, flag)
+    if path is not None and not os.path.exists(path):
+      kind = "a text file or a folder of text files" if flag == "data" else \
+          "the workdir of a run that saved checkpoints, or its checkpoints/ folder"
+      raise ConfigError(f"--{flag} path {path!r} does not exist; pass {kind}")
+  if not args.gin_file and not any(p.replace(" ", "").startswith("train.plan=") for p in args.gin_param):
+    raise ConfigError("no --gin_file given; pass a config, e.g. --gin_file=configs/zero3.gin (configs/ has "
+                      "dp, zero1, zero2, zero3, mics, zeropp, qwz, hpz, qgz)")
+  if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+    raise ConfigError(f"--workdir {args.workdir!r} is a file; pass a folder (created if missing)")
+  devices = _set_device_count(args.devices)
   import jax
-  if args.devices or not _has_accelerator():
-    jax.config.update("jax_num_cpu_devices", args.devices or 8)
-  from zerojax import mesh as mesh_lib
-  from zerojax.train import trainer
-
+  from zerojax.train import config as config_lib, trainer
+  from zerojax.train.signals import exit_code
+  allowed = config_lib.check_allowed(args.allow_changed)  # before any slow start
   launcher = any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
   if args.coordinator or launcher:
-    mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-  gin.add_config_file_search_path(REPO_ROOT)
-  gin.parse_config_files_and_bindings(args.gin_file, args.gin_param)
-  summary = trainer.train(args.workdir, args.data, restore_from=args.restore_from)
+    _initialize_distributed(args)
+  config_lib.parse(args.gin_file, args.gin_param)
+  if jax.process_index() == 0 and devices:
+    print(f"zerojax: {jax.local_device_count()} CPU devices per process ({devices})", flush=True)
+  summary = trainer.train(args.workdir, args.data, restore_from=args.restore_from, allow_changed=allowed)
   if jax.process_index() == 0:
     print(json.dumps(summary))
-  return 0
+  stopped = summary.get("stopped_by")
+  return exit_code(signal.Signals[stopped]) if stopped else 0
+
+
+def _set_device_count(devices: int | None) -> str | None:
+  """Sets the CPU device count: `--devices`, else what the user's environment says, else 8 on a machine
+  without an accelerator. Returns where the count came from (None: the accelerator's devices)."""
+  import jax
+  if devices:
+    jax.config.update("jax_num_cpu_devices", devices)
+    return "--devices"
+  if os.environ.get("JAX_NUM_CPU_DEVICES"):
+    return "JAX_NUM_CPU_DEVICES"
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return "XLA_FLAGS"
+  if _has_accelerator():
+    return None
+  jax.config.update("jax_num_cpu_devices", DEFAULT_DEVICES)
+  return "the default; set --devices to change it"
+
+
+def _initialize_distributed(args) -> None:
+  """`jax.distributed.initialize` with a heartbeat timeout: when one process dies, the others stop
+  (they are ended by JAX's distributed runtime) within about `--heartbeat_timeout` seconds."""
+  import jax
+  explicit = (args.coordinator, args.num_processes, args.process_id)
+  if any(a is not None for a in explicit) and not all(a is not None for a in explicit):
+    raise ConfigError("--coordinator, --num_processes and --process_id go together (got "
+                      f"{args.coordinator!r}, {args.num_processes!r}, {args.process_id!r}); give all three or none")
+  if args.num_processes == 1:
+    return
+  if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id, heartbeat_timeout_seconds=args.heartbeat_timeout,
+                             shutdown_timeout_seconds=args.heartbeat_timeout)
 
 
 def _has_accelerator() -> bool:
   import importlib.util
   return os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu") or importlib.util.find_spec("jax_cuda13_plugin") is not None \
       or importlib.util.find_spec("jax_cuda12_plugin") is not None
+
+
+# -- the gin parameters, for --help -------------------------------------------------------------------
+
+def _docs(fn, section: str = "Args:") -> dict[str, str]:
+  """`{name: first sentence}` of a Google-style docstring section."""
+  out, name, lines = {}, None, (inspect.getdoc(fn) or "").splitlines()
+  inside = False
+  for line in lines:
+    if line.strip() == section:
+      inside = True
+      continue
+    if inside and line and not line.startswith(" "):
+      break
+    m = re.match(r"^  (\w+): (.*)$", line) if inside else None
+    if m:
+      name = m.group(1)
+      out[name] = m.group(2)
+    elif inside and name and line.startswith("    "):
+      out[name] += " " + line.strip()
+  first = lambda text: re.split(r"(?<=[\w)])\. (?=[A-Z])", text)[0].rstrip(".")
+  return {k: first(v) if len(first(v)) <= 100 else first(v)[:97] + "..." for k, v in out.items()}
+
+
+def parameters_help() -> str:
+  """The gin parameters `train.py` reads, with their defaults (configs/base.gin overrides some)."""
+  from zerojax import plan as plan_lib
+  from zerojax.train import trainer
+  from zerojax.train.optim import make_optimizer
+  rows = []
+
+  def add(prefix, fn, skip=(), docs=None):
+    docs = docs if docs is not None else _docs(fn)
+    for name, p in inspect.signature(fn).parameters.items():
+      if name in skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+        continue
+      default = "REQUIRED" if p.default is gin.REQUIRED or p.default is p.empty else repr(p.default)
+      rows.append((f"{prefix}.{name} = {default}", docs.get(name, "")))
+
+  add("train", trainer.train, skip=("workdir", "data", "restore_from", "allow_changed"))
+  add("model_config", trainer.model_config)
+  add("make_optimizer", make_optimizer, skip=("total_steps",))
+  add("zeropp", plan_lib.zeropp, docs={"weight_bits": "qwZ: bits of the forward weight gather (None: off)",
+                                       "secondary_axes": "hpZ: axes of the secondary shard (None: off)",
+                                       "grad_bits": "qgZ: bits of the gradient reduction (None: off)"})
+  fields = _docs(plan_lib.Plan, "Attributes:")
+  for name, p in inspect.signature(plan_lib.Plan).parameters.items():
+    if name not in ("name", "param_axes", "grad_axes", "opt_axes"):
+      rows.append((f"PLAN.{name} = {p.default!r}", fields.get(name, "")))
+  width = max(len(r[0]) for r in rows) + 2
+  body = "\n".join(f"  {a.ljust(width)}{b}".rstrip() for a, b in rows)
+  return ("gin parameters (--gin_param='NAME=VALUE'), with their defaults; configs/base.gin sets some of "
+          f"them. PLAN is the plan's constructor: {', '.join(plan_lib.PLANS)} (e.g. zero3.param_dtype):\n{body}")
 
 
 if __name__ == "__main__":

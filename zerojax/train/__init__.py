@@ -1,1 +1,1 @@
-"""Training: the loop behind `train.py`, data, orbax checkpoints, signals, optimizers, gin registration."""
+"""Training: the loop behind `train.py`, its configs and outputs, data, orbax checkpoints, signals, optimizers."""

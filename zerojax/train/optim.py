@@ -25,6 +25,16 @@ def make_optimizer(name: str = "adamw", learning_rate: float = 3e-3, warmup_step
   """Builds `clip_by_global_norm -> {adamw|lion|sgd}` with a warmup-cosine schedule.
 
   Every transformation here is elementwise, so it is valid on ZeRO's flat padded shards.
+
+  Args:
+    name: 'adamw', 'lion' or 'sgd' (with momentum b1).
+    learning_rate: the peak learning rate, reached after the warmup; the cosine decays it to a tenth.
+    warmup_steps: steps of linear warmup from 0.
+    total_steps: length of the schedule (`train` passes train.steps).
+    weight_decay: decoupled weight decay of the matrices (`DECAYED`).
+    clip_norm: clip the gradient's global norm to this (None: no clipping).
+    b1: first-moment decay (adamw, lion) or momentum (sgd).
+    b2: second-moment decay (adamw, lion).
   """
   schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
                                                 max(total_steps, warmup_steps + 1), learning_rate * 0.1)

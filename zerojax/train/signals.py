@@ -1,6 +1,7 @@
-"""Stopping a run cleanly on a signal: finish the step, save, exit."""
+"""Stopping a run cleanly on a signal: finish the step, save, exit with 128 + the signal's number."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -9,18 +10,25 @@ import numpy as np
 
 
 class StopSignal:
-  """Turns SIGTERM into a request to stop cleanly after the current step (a context manager).
+  """Turns SIGINT (Ctrl-C) and SIGTERM into a request to stop after the current step (a context manager).
 
-  A second SIGTERM acts as if no handler were installed. With several processes, `requested()` is
-  true on all of them as soon as one received the signal, so they all save the same step.
+  The first signal only sets a flag (the loop then saves a checkpoint and stops). A second one, of
+  either kind, acts as if no handler were installed: the process ends at once, without saving; orbax
+  writes each checkpoint into a temporary folder renamed only when complete, so the latest complete
+  checkpoint stays as it was. With several processes, `requested()` is true on all of them as soon as
+  one received a signal, so they all save the same step.
   """
 
-  def __init__(self, signals=(signal.SIGTERM,)):
-    self.signals, self._flag, self._previous = tuple(signals), False, {}
+  def __init__(self, signals=(signal.SIGINT, signal.SIGTERM)):
+    self.signals, self._signum, self._previous = tuple(signals), 0, {}
 
   def _handle(self, signum, frame):
-    self._flag = True
-    signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+    self._signum = self._signum or signum
+    for s in self.signals:  # the next signal ends the process at once
+      signal.signal(s, signal.SIG_DFL)
+    again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    os.write(2, f"\nzerojax: {signal.Signals(signum).name} received: finishing the current step and saving a "
+                f"checkpoint ({again} again exits at once without saving)\n".encode())
 
   def install(self) -> "StopSignal":
     """Installs the handler (only the main thread can; elsewhere signals keep their handlers)."""
@@ -41,9 +49,14 @@ class StopSignal:
   def __exit__(self, *exc) -> None:
     self.uninstall()
 
-  def requested(self) -> bool:
+  def requested(self) -> int:
+    """The number of the signal that asked to stop (on any process), or 0."""
     if jax.process_count() == 1:
-      return self._flag
+      return int(self._signum)
     from jax.experimental import multihost_utils
-    return bool(np.any(multihost_utils.process_allgather(np.array([self._flag]))))
+    return int(np.max(multihost_utils.process_allgather(np.array([self._signum], np.int32))))
 
+
+def exit_code(signum: int) -> int:
+  """The shell's exit status of a process ended by `signum`: 130 for SIGINT, 143 for SIGTERM."""
+  return 128 + int(signum)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import time
 
 import gin
@@ -18,7 +19,8 @@ from zerojax.mesh import make_mesh
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax import planner
 from zerojax.plan import Plan, dp, zero3
-from zerojax.train import checkpoint as checkpoint_lib, data as data_lib, export as export_lib
+from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, data as data_lib
+from zerojax.train import export as export_lib, report
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
 from zerojax.train.optim import make_optimizer
 from zerojax.train.signals import StopSignal
@@ -27,6 +29,16 @@ from zerojax.train.signals import StopSignal
 @gin.configurable
 def model_config(vocab_size: int = 256, seq_len: int = 128, d_model: int = 128, num_heads: int = 4,
                  num_layers: int = 4, mlp_ratio: int = 4) -> GPTConfig:
+  """The GPT `train` builds (a resume never changes it).
+
+  Args:
+    vocab_size: tokens (256: one per byte).
+    seq_len: tokens per training sequence (the context).
+    d_model: width of the residual stream.
+    num_heads: attention heads per layer.
+    num_layers: transformer blocks.
+    mlp_ratio: MLP hidden width over d_model.
+  """
   return GPTConfig(vocab_size, seq_len, d_model, num_heads, num_layers, mlp_ratio)
 
 
@@ -78,8 +90,9 @@ def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor
   return chosen
 
 
-@gin.configurable(denylist=["workdir", "data", "restore_from"])
-def train(workdir: str, data: str | None = None, restore_from: str | None = None, *, plan: Plan = gin.REQUIRED,
+@gin.configurable(denylist=["workdir", "data", "restore_from", "allow_changed"])
+def train(workdir: str, data: str | None = None, restore_from: str | None = None, allow_changed=(), *,
+          plan: Plan = gin.REQUIRED,
           steps: int = 200, checkpoint_every: int = 100, keep_checkpoints: int = 3,
           batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
           eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
@@ -89,109 +102,171 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
           progress: bool = True) -> dict:
   """Trains the GPT model on byte-level text under `plan` and writes metrics to `workdir`.
 
+  SIGINT (Ctrl-C) and SIGTERM finish the current step, save a checkpoint and stop (a second signal
+  ends the process at once); the summary then says `stopped_by`.
+
   Args:
-    workdir: output folder: `metrics.jsonl` (one object per logged step), `summary.json` and
-      `checkpoints/`; a run resumes from the latest checkpoint there.
+    workdir: output folder: `metrics.jsonl` (one object per logged step), `summary.json`, `config.gin`
+      (the config run), `loss.png`, `tensorboard/` and `checkpoints/`; a run resumes from the latest
+      checkpoint there. A run whose checkpoint is at `steps` already is left as it is.
     data: a text file or folder; default the running Python's standard library sources.
     restore_from: a workdir or checkpoint folder to start from when `workdir` has no checkpoint (any
       mesh, process count or plan; same model and optimizer). Never silently ignored.
+    allow_changed: settings (gin names, e.g. "train.steps") that may differ from the checkpoint's on
+      resume; others that differ stop the run (`zerojax.train.config.check_resume`).
     plan: the sharding plan (`@zero3()`, `@mics()`, ... in gin).
-    steps: optimizer steps.
-    checkpoint_every: steps between checkpoints (0: only at the end and on SIGTERM).
+    steps: optimizer steps (also the length of the learning-rate schedule).
+    checkpoint_every: steps between checkpoints (0: only at the end and on SIGINT/SIGTERM).
     keep_checkpoints: how many of the latest checkpoints to keep.
     batch_size: global micro-batch size (sequences), divisible by the number of devices.
     accum_steps: micro-batches per optimizer step.
     num_nodes: nodes of the mesh (default `default_num_nodes()`).
+    seed: seed of the initial parameters and of the data order (a resumed run keeps its checkpoint's).
     eval_every: steps between evaluations of the held-out loss (0: only at the end).
+    eval_batches: held-out batches per evaluation.
+    log_every: steps between rows of metrics.jsonl.
     max_consecutive_skips: stop after this many steps in a row with non-finite loss or gradients.
+    max_data_bytes: read at most this many bytes of the corpus.
     pad_multiple: leaves are padded to a multiple of devices x this (the quantization block).
     param_dtype: overrides the plan's parameter dtype on the wire and in compute (None keeps it).
     compute_dtype: overrides the plan's compute dtype (None keeps it).
     secondary_group: devices per hpZ group when it is not one node (factors the mesh, see `make_mesh`).
     export: write the final logical parameters to `workdir/params.npz`.
+    progress: show a progress bar.
 
   Returns:
     The summary dict also written to `summary.json`.
   """
+  args = dict(locals())
+  stop = StopSignal().install()
+  try:
+    return _train(stop=stop, **args)
+  finally:
+    stop.uninstall()
+
+
+def _say(msg: str) -> None:
+  if jax.process_index() == 0:
+    print(f"zerojax: {msg}", flush=True)
+
+
+def _finite(x):
+  return x if x is not None and np.isfinite(x) else None
+
+
+def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, checkpoint_every,
+           keep_checkpoints, batch_size, accum_steps, num_nodes, seed, eval_every, eval_batches, log_every,
+           max_consecutive_skips, max_data_bytes, pad_multiple, param_dtype, compute_dtype, secondary_group,
+           export, progress) -> dict:
   cfg = model_config()
+  allowed = config_lib.check_allowed(allow_changed)
   ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
              param_dtype=param_dtype, compute_dtype=compute_dtype, secondary_group=secondary_group,
              batch_size=batch_size)
   plan, mesh = ex.plan, ex.mesh
   ex.check_batch((accum_steps, batch_size, cfg.seq_len + 1))  # fail before loading any data
   dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes, seq_len=cfg.seq_len)
+  settings = config_lib.run_settings(cfg, steps=steps, batch_size=batch_size, accum_steps=accum_steps)
+  check = lambda meta, where: config_lib.check_resume(meta.get("settings"), settings, meta["step"], where, allowed)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=keep_checkpoints)
-  resumed = checkpoint_lib.resume(ex, ckpt, restore_from)
-  if resumed is not None:  # the data position is the step; the data order is the checkpoint's seed
-    seed, asked = resumed.meta.get("seed", seed), seed
-    if jax.process_index() == 0:
-      print(f"zerojax: restored step {int(resumed.state.step)} from {resumed.directory}"
-            + (f" (data seed {seed}; train.seed={asked} applies to new runs only)" if seed != asked else ""),
-            flush=True)
-  state = resumed.state if resumed is not None else ex.init(jax.random.key(seed))
-  step_fn, eval_fn = ex.step_fn(), ex.eval_fn()
-  eval_sharding = NamedSharding(mesh, P(ex.data_axes))
-  held_out = [data_lib.device_put_batch(b, eval_sharding) for b in data_lib.eval_batches(
-      dataset.eval, num_batches=eval_batches, batch_size=batch_size, seq_len=cfg.seq_len)]
-  evaluate = lambda st: float(np.mean([float(eval_fn(st.params, b)) for b in held_out]))
+  log = None
+  try:
+    resumed = checkpoint_lib.resume(ex, ckpt, restore_from, check=check, warn=_say)
+    start_step = int(resumed.state.step) if resumed is not None else 0
+    if resumed is not None and start_step >= steps:
+      _say(f"the run already finished: the checkpoint in {resumed.directory} is at step {start_step}, "
+           f"train.steps={steps}; {workdir} is left as it is (raise train.steps to train on)")
+      return {**_read_summary(workdir), "status": "already finished", "step": start_step}
+    if resumed is not None:  # the data position is the step; the data order is the checkpoint's seed
+      seed, asked = resumed.meta.get("seed", seed), seed
+      _say(f"restored step {start_step} from {resumed.directory}"
+           + (f" (data seed {seed}; train.seed={asked} applies to new runs only)" if seed != asked else ""))
+      if resumed.note:
+        _say(resumed.note)
+    state = resumed.state if resumed is not None else ex.init(jax.random.key(seed))
+    step_fn, eval_fn = ex.step_fn(), ex.eval_fn()
+    eval_sharding = NamedSharding(mesh, P(ex.data_axes))
+    held_out = [data_lib.device_put_batch(b, eval_sharding) for b in data_lib.eval_batches(
+        dataset.eval, num_batches=eval_batches, batch_size=batch_size, seq_len=cfg.seq_len)]
+    evaluate = lambda st: float(np.mean([float(eval_fn(st.params, b)) for b in held_out]))
 
-  lead = jax.process_index() == 0
-  if lead:
-    os.makedirs(workdir, exist_ok=True)
-    log = open(os.path.join(workdir, "metrics.jsonl"), "a")
-    print(f"zerojax: plan={plan.name} mesh={dict(mesh.shape)} data={dataset.source}", flush=True)
-    print(f"zerojax: model-state bytes per device {json.dumps(memory_report(ex)['expected'])}", flush=True)
-  tokens_per_step = batch_size * accum_steps * cfg.seq_len
-  bar = tqdm(total=steps, disable=not (lead and progress), dynamic_ncols=True)
-  in_a_row, times, first_loss, loss, eval_loss = 0, [], None, float("nan"), None
-  start_step = int(state.step)
-  stop = StopSignal().install()
-  for step in range(start_step, steps):
-    batch = data_lib.global_batch(dataset.train, step, accum_steps=accum_steps, batch_size=batch_size,
-                                  seq_len=cfg.seq_len, seed=seed)
-    batch = data_lib.device_put_batch(batch, ex.batch_sharding)
-    t0 = time.perf_counter()
-    state, metrics = step_fn(state, batch)
-    loss, finite = float(metrics.loss), bool(metrics.finite)
-    dt = time.perf_counter() - t0
-    if step > start_step:  # the first step includes compilation
-      times.append(dt)
-    in_a_row = 0 if finite else in_a_row + 1
-    if in_a_row >= max_consecutive_skips:
-      raise NonFiniteError(f"{in_a_row} steps in a row had non-finite loss or gradients (last at step "
-                           f"{step}, loss={loss}); lower the learning rate or check the data")
-    first_loss = loss if first_loss is None and finite else first_loss
-    eval_loss = evaluate(state) if (eval_every and (step + 1) % eval_every == 0) or step + 1 == steps else None
-    if lead and ((step + 1) % log_every == 0 or eval_loss is not None):
-      rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-             "grad_norm": float(metrics.grad_norm), "skipped": int(state.skipped)}
-      if eval_loss is not None:
-        rec["eval_loss"] = eval_loss
-      log.write(json.dumps(rec) + "\n")
-      log.flush()
-    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_s=f"{dt:.3f}")
-    bar.update(1)
-    preempted = stop.requested()
-    if (checkpoint_every and (step + 1) % checkpoint_every == 0) or step + 1 == steps or preempted:
-      ckpt.save(ex, state, seed=seed)
-    if preempted:
-      if lead:
-        print(f"zerojax: stopped by SIGTERM after step {step + 1}; saved a checkpoint", flush=True)
-      break
-  stop.uninstall()
-  ckpt.close()
+    lead = jax.process_index() == 0
+    first_loss = resumed.meta.get("first_loss") if resumed is not None else None
+    if lead:
+      os.makedirs(workdir, exist_ok=True)
+      config_lib.write(os.path.join(workdir, "config.gin"), CONFIG_HEADER.format(workdir=workdir))
+      log = report.RunLog(workdir, start_step)
+      if first_loss is None and resumed is not None:
+        first_loss = log.first_loss()
+    _say(f"plan={report.describe_plan(plan)} mesh={dict(mesh.shape)} data={dataset.source}")
+    _say(f"model-state bytes per device {json.dumps(memory_report(ex)['expected'])}")
+    tokens_per_step = batch_size * accum_steps * cfg.seq_len
+    bar = tqdm(total=steps, initial=start_step, disable=not (lead and progress), dynamic_ncols=True)
+    in_a_row, times, loss, eval_loss = 0, [], float("nan"), None
+    stopped, step = stop.requested(), start_step
+    while step < steps and not stopped:
+      batch = data_lib.global_batch(dataset.train, step, accum_steps=accum_steps, batch_size=batch_size,
+                                    seq_len=cfg.seq_len, seed=seed)
+      batch = data_lib.device_put_batch(batch, ex.batch_sharding)
+      t0 = time.perf_counter()
+      state, metrics = step_fn(state, batch)
+      loss, finite = float(metrics.loss), bool(metrics.finite)
+      dt = time.perf_counter() - t0
+      if step > start_step:  # the first step includes compilation
+        times.append(dt)
+      step += 1
+      in_a_row = 0 if finite else in_a_row + 1
+      if in_a_row >= max_consecutive_skips:
+        raise NonFiniteError(f"{in_a_row} steps in a row had non-finite loss or gradients (last at step "
+                             f"{step}, loss={loss}); lower the learning rate or check the data")
+      first_loss = loss if first_loss is None and finite else first_loss
+      eval_loss = evaluate(state) if (eval_every and step % eval_every == 0) or step == steps else None
+      if lead and (step % log_every == 0 or eval_loss is not None):
+        rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+               "grad_norm": float(metrics.grad_norm), "skipped": int(state.skipped)}
+        log.write(rec if eval_loss is None else {**rec, "eval_loss": eval_loss})
+      bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_s=f"{dt:.3f}")
+      bar.update(1)
+      stopped = stop.requested()
+      if (checkpoint_every and step % checkpoint_every == 0) or step == steps or stopped:
+        ckpt.save(ex, state, seed=seed, first_loss=first_loss, settings=settings)
+    ckpt.wait()
+    bar.close()
+  finally:
+    ckpt.close()
+    if log is not None:
+      log.close()
+  stopped_by = signal.Signals(stopped).name if stopped else None
+  if stopped_by:
+    _say(f"stopped by {stopped_by} after step {step}; "
+         + (f"saved a checkpoint of step {step}" if step > start_step else "nothing new to save")
+         + "; run the same command to resume")
   if export:
     export_lib.export_params(ex, state, os.path.join(workdir, "params.npz"))
-  bar.close()
-  median = float(np.median(times)) if times else float("nan")
-  summary = {"plan": plan.name, "mesh": dict(mesh.shape), "steps": steps, "first_loss": first_loss,
-             "final_loss": loss, "final_eval_loss": eval_loss, "skipped_steps": int(state.skipped),
-             "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if times else None,
-             "data": dataset.source, "memory_bytes_per_device": memory_report(ex)["expected"]}
+  median = float(np.median(times)) if times else None
+  summary = {"plan": report.describe_plan(plan), "plan_name": plan.name, "mesh": dict(mesh.shape),
+             "status": f"stopped by {stopped_by}" if stopped_by else "finished", "stopped_by": stopped_by,
+             "step": step, "steps": steps, "first_loss": _finite(first_loss), "final_loss": _finite(loss),
+             "final_eval_loss": _finite(eval_loss), "skipped_steps": int(state.skipped),
+             "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if median else None,
+             "data": dataset.source, "memory_bytes_per_device": memory_report(ex)["expected"],
+             "plan_fields": dataclasses.asdict(plan)}
   if getattr(ex, "planner_rows", None):
     summary["planner"] = ex.planner_rows
   if lead:
-    log.close()
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+    report.write_json(os.path.join(workdir, "summary.json"), summary)
+    if log.rows:
+      report.plot_loss(log.rows, os.path.join(workdir, "loss.png"), f"{summary['plan']}, {dict(mesh.shape)}")
   return summary
+
+
+CONFIG_HEADER = """# The config this run used (gin's operative config: every parameter it read, defaults included).
+# Run it again with: python train.py --gin_file={workdir}/config.gin --workdir={workdir}"""
+
+
+def _read_summary(workdir: str) -> dict:
+  try:
+    with open(os.path.join(workdir, "summary.json")) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}

@@ -1,0 +1,95 @@
+"""The pieces behind train.py, in process: gin files and includes, plan names, the settings a resume keeps."""
+import os
+
+import gin
+import pytest
+
+from zerojax.plan import zeropp
+from zerojax.train import config, report, trainer  # noqa: F401  (trainer registers the configurables)
+from zerojax.train.state_spec import CheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def clean_gin():
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+def test_plan_names_tell_every_config_apart(clean_gin):
+  names = {}
+  for f in sorted(os.listdir(os.path.join(ROOT, "configs"))):
+    if f != "base.gin":
+      gin.clear_config()
+      config.parse([f"configs/{f}"], [])
+      names[f[:-4]] = report.describe_plan(gin.get_bindings("train")["plan"])
+  assert names == {"dp": "dp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "mics": "mics",
+                   "qwz": "zero3+qwZ(int8)", "hpz": "zero3+hpZ(gpu)", "qgz": "zero3+qgZ(int4)",
+                   "zeropp": "zero3+qwZ(int8)+hpZ(gpu)+qgZ(int4)"}
+  assert report.describe_plan(zeropp(weight_bits=4, weight_block=0, secondary_axes=None, grad_bits=8)) == \
+      "zero3+qwZ(int4,per-shard)+qgZ(int8)"
+
+
+def test_includes_resolve_against_the_including_file(tmp_path, clean_gin, monkeypatch):
+  (tmp_path / "a").mkdir()
+  (tmp_path / "a" / "top.gin").write_text("include 'sub/part.gin'\ntrain.steps = 7\n")
+  (tmp_path / "a" / "sub").mkdir()
+  (tmp_path / "a" / "sub" / "part.gin").write_text("include 'configs/zero3.gin'\ntrain.batch_size = 16\n")
+  monkeypatch.chdir(tmp_path)  # neither the repository nor the configs' folder
+  paths = config.parse(["a/top.gin"], ["train.seed = 3"])
+  assert paths == [str(tmp_path / "a" / "top.gin")]
+  assert [gin.query_parameter(f"train.{k}") for k in ("steps", "batch_size", "seed")] == [7, 16, 3]
+  assert gin.query_parameter("model_config.d_model") == 128  # from configs/base.gin, through zero3.gin
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("include 'nowhere.gin'\n", "include in {top}:1 'nowhere.gin' does not exist (looked in {dir}"),
+    ("train.steps = 3\ntrain.stepz = 3\n", "config {top}:2: Configurable 'train' doesn't have a parameter named "
+                                           "'stepz'. (did you mean train.steps?)"),
+    ("include 'top.gin'\n", "config {top} includes itself"),
+])
+def test_config_file_errors_name_the_file_and_line(tmp_path, clean_gin, text, expect):
+  top = tmp_path / "top.gin"
+  top.write_text(text)
+  with pytest.raises(config.ConfigError) as e:
+    config.parse([str(top)], [])
+  assert expect.format(top=top, dir=tmp_path) in str(e.value)
+
+
+SAVED = {"model_config.d_model": 32, "train.steps": 20, "train.batch_size": 8, "make_optimizer.name": "adamw",
+         "make_optimizer.learning_rate": 0.003}
+
+
+@pytest.mark.parametrize("now,step,allowed,expect", [
+    ({}, 10, (), None),
+    ({"train.steps": 30}, 10, (), "SettingsChanged: .*train.steps 20 -> 30 \\(saved -> now\\) \\(changes the "
+                                  "learning-rate schedule\\); .*--allow_changed=train.steps"),
+    ({"train.steps": 30}, 10, ("train.steps",), "note: continuing with changed settings train.steps 20 -> 30"),
+    ({"train.steps": 30}, 20, (), "note: the run finished at step 20; continuing to train.steps=30"),
+    ({"train.steps": 10}, 20, (), None),  # finished, and fewer steps: nothing runs, nothing to refuse
+    ({"train.steps": 30, "make_optimizer.learning_rate": 0.01}, 20, (),
+     "SettingsChanged: .*make_optimizer.learning_rate 0.003 -> 0.01"),
+    ({"train.batch_size": 16, "model_config.d_model": 64}, 10, ("train.batch_size",),
+     "CheckpointError: .*another model or optimizer \\(model_config.d_model 32 -> 64"),
+    ({"make_optimizer.name": "lion"}, 10, (), "CheckpointError: .*make_optimizer.name 'adamw' -> 'lion'"),
+])
+def test_check_resume(now, step, allowed, expect):
+  import re
+  try:
+    got = config.check_resume(SAVED, {**SAVED, **now}, step, "CKPT", set(allowed))
+    got = None if got is None else f"note: {got}"
+  except CheckpointError as e:
+    got = f"{type(e).__name__}: {e}"
+  assert (got is None) if expect is None else re.search(expect, got or ""), got
+  assert config.check_resume(None, SAVED, 10, "CKPT") == "checkpoint CKPT records no settings; they are not compared"
+
+
+def test_allow_changed_names_are_checked():
+  assert config.check_allowed(["train.steps,train.batch_size", "make_optimizer.learning_rate"]) == {
+      "train.steps", "train.batch_size", "make_optimizer.learning_rate"}
+  with pytest.raises(config.ConfigError, match="--allow_changed=train.stepz names no setting; use one of"):
+    config.check_allowed(["train.stepz"])
+  with pytest.raises(config.ConfigError, match="the model and the optimizer's kind never change"):
+    config.check_allowed(["make_optimizer.name"])
