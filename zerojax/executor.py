@@ -176,13 +176,16 @@ class Executor:
     `model.init` is dead code there), so no device ever holds more than its shards plus one unit's full
     parameters (FSDP's per-unit initialisation).
     """
-    flat = {}
+    return self._init_state({u: f(rng) for u, f in self.init_programs().items()}, rng)
+
+  def init_programs(self) -> dict:
+    """`{unit: jitted rng -> the unit's flat master shards}`, the programs `init` runs."""
+    programs = {}
     for u, spec in self.param_specs.items():
-      shard = jax.tree.map(lambda s: NamedSharding(self.mesh, s), spec)
       make = lambda r, u=u: jax.tree.map(lambda x, l: layout_lib.flatten_leaf(x.astype(jnp.float32), l),
                                          self.model.init(r)[u], self.layout.tree()[u])
-      flat[u] = jax.jit(make, out_shardings=shard)(rng)
-    return self._init_state(flat, rng)
+      programs[u] = jax.jit(make, out_shardings=jax.tree.map(lambda s: NamedSharding(self.mesh, s), spec))
+    return programs
 
   def init_from_params(self, params, mutable=None) -> TrainState:
     """Shards logical params (the model's `{unit: ...}` dict, or the user's tree) and initialises the

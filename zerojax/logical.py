@@ -170,7 +170,9 @@ def logical_optimizer(optimizer: optax.GradientTransformation, layout: layout_li
   owners = []  # per state leaf: (view shape, flat shape) of the parameter it belongs to, or None
   for path, x in jax.tree_util.tree_leaves_with_path(state_views):
     names, shape = _path_names(path), tuple(x.shape)
-    match = [l for p, l in zip(user_paths, user_lays) if view_shape(l) == shape and names[-len(p):] == p]
+    match = sorted(((len(p), i) for i, p in enumerate(user_paths)
+                    if view_shape(user_lays[i]) == shape and names[-len(p):] == p), reverse=True)
+    match = [user_lays[i] for _, i in match]
     match = match or [l for l in user_lays if view_shape(l) == shape]
     owners.append((shape, match[0].flat_shape()) if x.ndim and match else None)
 

@@ -227,8 +227,14 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
       calls.setdefault(path, jax.tree.map(np.shape, _to_dict(m.variables.get("params", {}))))
     return out
 
-  with nn.intercept_methods(record):
-    variables, out = jax.eval_shape(init_variables, jax.random.key(0))
+  try:
+    with nn.intercept_methods(record):
+      variables, out = jax.eval_shape(init_variables, jax.random.key(0))
+  except NameError as e:  # e.g. BatchNorm(axis_name="batch"), written for pmap
+    raise ValueError(f"the module calls a collective over an axis that is not bound ({e}); zerojax owns the "
+                     "mesh axes for sharding and averages mutable collections (batch_stats) over the "
+                     "data-parallel devices after each step: drop the unit's collective (e.g. BatchNorm's "
+                     "axis_name)") from None
   has_aux = isinstance(out, (tuple, list))
   loss_shape = np.shape(out[0] if has_aux else out)
   if loss_shape != ():

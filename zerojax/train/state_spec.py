@@ -117,7 +117,8 @@ class _Spec:
   @staticmethod
   def _owner(names, shape, params):
     """The layout of the parameter an optimizer-state leaf belongs to: its path ends with the param's."""
-    match = [lay for p, lay in params if names[-len(p):] == p and lay.flat_shape() == shape]
+    ends = [(len(p), lay) for p, lay in params if names[-len(p):] == p and lay.flat_shape() == shape]
+    match = [lay for n, lay in ends if n == max(n for n, _ in ends)]  # the longest path: ("last", "bias"), not ("bias",)
     if len(match) != 1:
       match = [lay for _, lay in params if lay.flat_shape() == shape]
     if len(match) != 1:
