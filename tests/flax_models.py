@@ -82,17 +82,19 @@ def batch(n=64, seed=0, accum=None):
           "w": (rng.random(lead) > 0.2).astype(np.float32)}
 
 
-def linen_apply(net):
+def linen_apply(net, loss=loss_fn, mutable=("batch_stats",), rngs=("dropout",)):
   """`(params, stats, batch, key) -> (loss, (aux, stats))` with flax's own `apply`."""
   def f(params, stats, b, key):
-    box = {}
+    box = {"stats": {}}
 
     def apply(*args, **kw):
-      out, box["stats"] = net.apply({"params": params, **stats}, *args, rngs=linen_rngs(key, ("dropout",)),
-                                    mutable=["batch_stats"], **kw)
+      if not mutable:
+        return net.apply({"params": params, **stats}, *args, rngs=linen_rngs(key, rngs), **kw)
+      out, box["stats"] = net.apply({"params": params, **stats}, *args, rngs=linen_rngs(key, rngs),
+                                    mutable=list(mutable), **kw)
       return out
-    loss, aux = loss_fn(apply, b, key)
-    return loss, (aux, box["stats"])
+    out, aux = loss(apply, b, key)
+    return out, (aux, box["stats"])
   return f
 
 
