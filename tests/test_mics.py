@@ -258,7 +258,8 @@ def test_a_unit_called_twice_is_refused_with_sync_in_backward():
     return jnp.mean(layer(params["l"], layer(params["l"], x)))
 
   model = zerojax.Model(lambda r: {"l": {"w": jax.random.normal(r, (8, 8))}}, loss)
-  ex = zerojax.Executor(model, optax.sgd(0.1), plans.mics(group_size=4), zerojax.make_mesh(2, 4))
+  ex = zerojax.Executor(model, optax.sgd(0.1), plans.mics(group_size=4, sync_in_backward=True),
+                        zerojax.make_mesh(2, 4))
   state = ex.init(jax.random.key(0))
   batch = jax.device_put(np.zeros((1, 8, 2), np.int32), ex.batch_sharding)
   with pytest.raises(ValueError, match="called 2 times per micro-batch"):

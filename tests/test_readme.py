@@ -7,8 +7,19 @@ import numpy as np
 
 def test_readme_api_example_runs():
   text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-  (code,) = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "zerojax.Executor" in c]
+  code = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "zerojax.Model(" in c][0]
   scope = {}
   exec(compile(code, "README.md", "exec"), scope)
   assert int(scope["state"].step) == 1 and np.isfinite(float(scope["metrics"].loss))
   assert scope["params"]["layers"]["w"].shape == (4, 64, 64)
+
+
+def test_readme_flax_example_runs():
+  text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  (code,) = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "zerojax.from_linen" in c]
+  scope = {}
+  exec(compile(code, "README.md", "exec"), scope)
+  assert int(scope["state"].step) == 1 and np.isfinite(float(scope["metrics"].loss))
+  assert scope["params"]["Block_0"]["Dense_0"]["kernel"].shape == (32, 32)
+  assert set(scope["stats"]) == {"Block_0", "Block_1", "Block_2"}
+  assert set(scope["metrics"].aux) == {"accuracy"}

@@ -2,11 +2,13 @@
 from zerojax.executor import Executor, Model, StepMetrics, TrainState, check_elementwise
 from zerojax.layout import Layout, LeafLayout
 from zerojax.mesh import initialize_distributed, make_mesh
+from zerojax.models.linen import from_linen, linen_rngs
+from zerojax.models.nnx import from_nnx
 from zerojax.plan import PLANS, Plan, amsp, dp, mics, zero1, zero2, zero3, zeropp
 from zerojax.unit import ShardedUnit, unit
 
 __all__ = [
     "Executor", "Model", "StepMetrics", "TrainState", "check_elementwise", "Layout", "LeafLayout",
     "initialize_distributed", "make_mesh", "PLANS", "Plan", "amsp", "dp", "mics", "zero1", "zero2", "zero3", "zeropp",
-    "ShardedUnit", "unit",
+    "ShardedUnit", "unit", "from_linen", "from_nnx", "linen_rngs",
 ]

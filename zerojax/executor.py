@@ -9,8 +9,14 @@ Per step, inside one `jax.shard_map` over the ("node", "gpu") mesh:
    D \\ A_os (MiCS's 2-hop synchronisation, AMSP's T_os);
 3. outside the shard_map, on sharded global arrays under `jit`: any elementwise optax transformation
    updates the master weights and optimizer states, so global reductions such as
-   `clip_by_global_norm` are correct without hand-written collectives. A step whose loss or gradients
-   are not finite is skipped (state unchanged) and counted.
+   `clip_by_global_norm` are correct without hand-written collectives. It sees the user's tree, each leaf
+   with its logical rank (`zerojax.logical`). A step whose loss or gradients are not finite is skipped
+   (state unchanged) and counted.
+
+A batch is any pytree whose leaves lead with `[accum, global_batch, ...]`, sharded over all data axes.
+Each micro-batch gets an rng folded by step, micro-step and data-parallel rank; a model's mutable
+collections (BatchNorm statistics) are carried through the micro-batches on each device and averaged
+over the devices at the end of the step, as data-parallel training with per-device statistics does.
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5. MiCS: Zhang et al. 2022, §3.3. AMSP: Chen et al. 2023, §3.
@@ -24,11 +30,12 @@ from typing import Any, Callable, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import comm, layout as layout_lib
+from zerojax import comm, layout as layout_lib, logical as logical_lib
 from zerojax import mesh as mesh_lib
 from zerojax.mesh import axis_sizes, group_size
 from zerojax.plan import Plan
@@ -36,17 +43,46 @@ from zerojax.unit import ShardedUnit, UnitMeta
 
 
 class Model(NamedTuple):
-  """A model written as ZeRO units.
+  """A model written as ZeRO units (`zerojax.from_linen` / `from_nnx` build one from a flax module).
 
   Attributes:
     init: `rng -> params`, a dict `{unit_name: pytree}` of logical parameters.
-    loss: `(params, tokens) -> scalar` mean loss of a micro-batch; calls `zerojax.unit(f)(params[u], ...)`
-      for every unit `u`, and `lax.scan` over the scanned units.
+    loss: `(params, batch) -> scalar` mean loss of a micro-batch; calls `zerojax.unit(f)(params[u], ...)`
+      for every unit `u`, and `lax.scan` over the scanned units. With `rng`, `(params, batch, rng)`; with
+      `init_state`, `(params, batch, rng, state) -> (out, state)`. `out` is the loss, or `(loss, aux)`
+      with `has_aux`. `rng` is None in `eval_fn`.
     scanned: names of the units whose leaves have a leading layer axis.
+    has_aux: the loss returns `(loss, aux)`; aux (a pytree of arrays) is averaged over micro-batches and
+      devices into `StepMetrics.aux`.
+    rng: the loss takes a PRNG key per micro-batch.
+    init_state: `rng -> state`, the model's mutable collections (e.g. `{"batch_stats": ...}`).
+    to_user: `{unit_name: tree} -> the user's tree` (any leaves), e.g. flax's `params`; None: identity.
+    from_user: the inverse of `to_user`.
+    example_batch: `ShapeDtypeStruct`s of one micro-batch `[batch, ...]`, or None.
   """
   init: Callable[[jax.Array], dict]
-  loss: Callable[[dict, jax.Array], jax.Array]
+  loss: Callable[..., Any]
   scanned: frozenset = frozenset()
+  has_aux: bool = False
+  rng: bool = False
+  init_state: Callable[[jax.Array], Any] | None = None
+  to_user: Callable[[dict], Any] | None = None
+  from_user: Callable[[Any], dict] | None = None
+  example_batch: Any = None
+
+
+def call_loss(model: Model, params: dict, batch, rng=None, state=None):
+  """`(loss, aux, state)` of one micro-batch, whichever of `Model.loss`'s signatures the model has."""
+  if model.init_state is not None:
+    out, state = model.loss(params, batch, rng, state)
+  else:
+    out = model.loss(params, batch, rng) if model.rng else model.loss(params, batch)
+  loss, aux = out if model.has_aux else (out, None)
+  return loss, aux, state
+
+
+def _identity(tree):
+  return tree
 
 
 @flax.struct.dataclass
@@ -55,12 +91,15 @@ class TrainState:
   params: Any            # fp32 master weights: flat padded leaves sharded over A_os
   opt_state: Any         # optimizer states, sharded like the master weights
   skipped: jax.Array     # steps skipped for non-finite loss or gradients (total)
+  rng: Any = None        # uint32 key data of the run's rng (models with `Model.rng`), replicated
+  mutable: Any = None    # the model's mutable collections (`Model.init_state`), replicated
 
 
 class StepMetrics(NamedTuple):
   loss: jax.Array
   grad_norm: jax.Array
   finite: jax.Array
+  aux: Any = None        # the loss's aux, averaged over micro-batches and devices (`Model.has_aux`)
 
 
 class Executor:
@@ -68,7 +107,8 @@ class Executor:
 
   Args:
     model: the model, written as ZeRO units.
-    optimizer: an elementwise optax `GradientTransformation` (see `check_elementwise`).
+    optimizer: an elementwise optax `GradientTransformation`; it sees the user's tree with each leaf's
+      logical rank (`zerojax.logical`), and one that needs more of a leaf's shape is refused.
     plan: the sharding plan.
     mesh: the ("node", "gpu") mesh (or a factoring of it); the executor factors it further for plans
       that name groups by size, and keeps the result as `self.mesh`.
@@ -92,6 +132,9 @@ class Executor:
     if not isinstance(shapes, dict):
       raise TypeError(f"model.init must return a dict of units, got {type(shapes).__name__}")
     self.layout = layout_lib.make_layout(shapes, model.scanned, mesh.size * math.lcm(pad_multiple, plan.alignment))
+    self.to_user, self.from_user = model.to_user or _identity, model.from_user or _identity
+    self.user_optimizer = optimizer
+    self.optimizer = logical_lib.logical_optimizer(optimizer, self.layout, self.to_user, self.from_user)
     self.param_specs = layout_lib.specs(self.layout, plan.opt_order)
     sizes = tuple(axis_sizes(mesh).items())
     self._metas = {}
@@ -101,6 +144,7 @@ class Executor:
       self._metas[u] = UnitMeta(plan, sizes, treedef, tuple(leaves))
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
+    self._checked = False
 
   # -- state -----------------------------------------------------------------------------------------
   def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
@@ -111,29 +155,67 @@ class Executor:
     by_ndim = {1: NamedSharding(self.mesh, P(self.plan.opt_order or None)),
                2: NamedSharding(self.mesh, P(None, self.plan.opt_order or None))}
     opt = jax.tree.map(lambda x: rep if x.ndim == 0 else by_ndim[x.ndim], state_shapes.opt_state)
-    return TrainState(step=rep, params=params, opt_state=opt, skipped=rep)
+    return TrainState(step=rep, params=params, opt_state=opt, skipped=rep,
+                      rng=jax.tree.map(lambda _: rep, state_shapes.rng),
+                      mutable=jax.tree.map(lambda _: rep, state_shapes.mutable))
 
   def _flat_shapes(self):
     return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), self.layout.tree(),
                         is_leaf=layout_lib.is_layout)
 
-  def _init_from_flat(self, flat):
+  def _init_from_flat(self, flat, rng=None, mutable=None):
     check_elementwise(self.optimizer, flat)
+    model, key = self.model, jax.random.key(0)
+    if model.rng:
+      rng = jax.random.key_data(jax.random.fold_in(key if rng is None else rng, 1))
+    if model.init_state is not None and mutable is None:
+      mutable = model.init_state(key)
     return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=self.optimizer.init(flat),
-                      skipped=jnp.zeros((), jnp.int32))
+                      skipped=jnp.zeros((), jnp.int32), rng=rng if model.rng else None,
+                      mutable=mutable if model.init_state is not None else None)
 
   def init(self, rng: jax.Array) -> TrainState:
-    """Initialises the model and optimizer directly into the plan's sharded layout."""
-    return self.init_from_params(jax.jit(self.model.init)(rng))
+    """Initialises the model and optimizer directly into the plan's sharded layout.
 
-  def init_from_params(self, params: dict) -> TrainState:
-    """Shards logical params (the model's own shapes) and initialises the optimizer."""
+    Each unit is created by its own jitted program whose outputs are the unit's flat shards (the rest of
+    `model.init` is dead code there), so no device ever holds more than its shards plus one unit's full
+    parameters (FSDP's per-unit initialisation).
+    """
+    return self._init_state({u: f(rng) for u, f in self.init_programs().items()}, rng)
+
+  def init_programs(self) -> dict:
+    """`{unit: jitted rng -> the unit's flat master shards}`, the programs `init` runs."""
+    programs = {}
+    for u, spec in self.param_specs.items():
+      make = lambda r, u=u: jax.tree.map(lambda x, l: layout_lib.flatten_leaf(x.astype(jnp.float32), l),
+                                         self.model.init(r)[u], self.layout.tree()[u])
+      programs[u] = jax.jit(make, out_shardings=jax.tree.map(lambda s: NamedSharding(self.mesh, s), spec))
+    return programs
+
+  def init_from_params(self, params, mutable=None) -> TrainState:
+    """Shards logical params (the model's `{unit: ...}` dict, or the user's tree) and initialises the
+    optimizer; `mutable` is the model's mutable collections (default: `Model.init_state`'s)."""
+    if self.model.from_user is not None and not _same_structure(params, self.layout.tree()):
+      params = self.from_user(params)
     flat = layout_lib.to_flat(params, self.layout, self.mesh, self.plan.opt_order)
-    return jax.jit(self._init_from_flat, out_shardings=self.shardings())(flat)
+    return self._init_state(flat, jax.random.key(0), mutable)
 
-  def logical_params(self, state: TrainState) -> dict:
-    """The master weights in the model's own shapes, without padding (for evaluation or export)."""
-    return layout_lib.to_logical(state.params, self.layout)
+  def _init_state(self, flat, rng, mutable=None) -> TrainState:
+    if self.model.init_state is not None and mutable is None:
+      mutable = jax.jit(self.model.init_state)(rng)
+    return jax.jit(self._init_from_flat, out_shardings=self.shardings())(flat, rng, mutable)
+
+  def logical_params(self, state: TrainState):
+    """The master weights in the user's tree and shapes (flax's `params`), without padding."""
+    return self.to_user(layout_lib.to_logical(state.params, self.layout))
+
+  def logical_variables(self, state: TrainState) -> dict:
+    """`{"params": logical_params(state), **mutable collections}`: what flax's `apply` takes."""
+    return {"params": self.logical_params(state), **(state.mutable or {})}
+
+  def user_layout(self):
+    """The `LeafLayout`s in the user's tree (what the optimizer and its states are named by)."""
+    return self.to_user(self.layout.tree())
 
   # -- the step --------------------------------------------------------------------------------------
   def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = ()) -> dict:
@@ -149,32 +231,54 @@ class Executor:
     return jax.tree.map(lambda m: comm.all_gather_raw(cast(m), to_p, axis=m.ndim - 1, tiled=True),
                         master)
 
-  def _local_grads(self, master, batch):
-    """shard_map body: master shard (over A_os) and local batch -> reduced gradient shard, mean loss."""
-    plan = self.plan
+  def _local_grads(self, master, batch, step=None, rng=None, mutable=None):
+    """shard_map body: master shard (over A_os), local batch, the step, the run's rng and the mutable
+    collections -> reduced gradient shard, mean loss, mean aux, device-averaged mutable collections."""
+    plan, model = self.plan, self.model
     p_shards = self._param_shards(master)
     k_g = group_size(self.mesh, plan.grad_axes)
     zeros_g = jax.tree.map(lambda l: jnp.zeros(l.flat_shape(k_g), plan.reduce_dtype), self.layout.tree(),
                            is_leaf=layout_lib.is_layout)
+    rank = lax.axis_index(self.data_axes)  # node-major, as the batch is sharded
+    key = lambda i: None if rng is None else jax.random.fold_in(
+        jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), step), i), rank)
+    if not self._checked:  # once per executor: every use of a parameter shard is a unit's
+      mb = jax.tree.map(lambda x: x[0], batch)
+      jaxpr = jax.make_jaxpr(lambda sh: call_loss(model, self._units(sh, zeros_g), mb, key(0), mutable)[0])(
+          p_shards)
+      logical_lib.check_units_own_params(jaxpr.jaxpr, jaxpr.jaxpr.invars)
+      self._checked = True
 
-    def micro(acc, tokens):
-      loss, g = jax.value_and_grad(lambda s: self.model.loss(self._units(p_shards, s), tokens))(zeros_g)
-      return jax.tree.map(jnp.add, acc, g), loss
+    def micro(carry, xs):
+      acc, mut = carry
+      mb, i = xs
+      def f(s):
+        loss, aux, new = call_loss(model, self._units(p_shards, s), mb, key(i), mut)
+        return loss, (aux, new)
+      (loss, (aux, mut)), g = jax.value_and_grad(f, has_aux=True)(zeros_g)
+      return (jax.tree.map(jnp.add, acc, g), mut), (loss, aux)
 
     to_os = plan.opt_order[len(plan.grad_order):]
     replicas = plan.replica_axes(self.mesh)
+    index = jnp.arange(self.accum_steps)
     if plan.sync_in_backward and replicas and not to_os:
       # MiCS §3.4 with the boundary all-reduce overlapped: the window's last micro-step all-reduces each
       # unit's gradient (plus what the window accumulated) inside its backward, so layer i's all-reduce
       # runs while layer i-1's backward computes. The sums are the same as after the window.
-      acc, losses = lax.scan(micro, zeros_g, batch[:-1])
-      units = {}
-      last = lambda s: self.model.loss(units.setdefault("u", self._units(p_shards, s, replicas)), batch[-1])
-      loss, acc = jax.value_and_grad(last)(acc)
+      head = jax.tree.map(lambda x: x[:-1], batch)
+      (acc, mutable), (losses, aux) = lax.scan(micro, (zeros_g, mutable), (head, index[:-1]))
+      last_mb, units = jax.tree.map(lambda x: x[-1], batch), {}
+
+      def last(s):
+        u = units.setdefault("u", self._units(p_shards, s, replicas))
+        loss, aux_l, new = call_loss(model, u, last_mb, key(self.accum_steps - 1), mutable)
+        return loss, (aux_l, new)
+      (loss_l, (aux_l, mutable)), acc = jax.value_and_grad(last, has_aux=True)(acc)
       self._check_single_calls(units["u"])
-      losses = jnp.concatenate([losses, loss[None]])
+      losses = jnp.concatenate([losses, loss_l[None]])
+      aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux, aux_l)
     else:
-      acc, losses = lax.scan(micro, zeros_g, batch)
+      (acc, mutable), (losses, aux) = lax.scan(micro, (zeros_g, mutable), (batch, index))
       if to_os:
         acc = jax.tree.map(lambda g: lax.psum_scatter(g, to_os, scatter_dimension=g.ndim - 1, tiled=True), acc)
       if replicas:
@@ -182,7 +286,9 @@ class Executor:
     # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
     acc = jax.tree.map(lambda g: g / (self.world * self.accum_steps), acc)
     loss = lax.pmean(jnp.mean(losses), self.data_axes)
-    return acc, loss
+    aux = jax.tree.map(lambda a: lax.pmean(jnp.mean(_inexact(a), axis=0), self.data_axes), aux)
+    mutable = jax.tree.map(lambda m: lax.pmean(m, self.data_axes) if _is_inexact(m) else m, mutable)
+    return acc, loss, aux, mutable
 
   @staticmethod
   def _check_single_calls(units: dict) -> None:
@@ -192,11 +298,12 @@ class Executor:
                          "all-reduce inside the backward (Plan.sync_in_backward) needs one call per unit: "
                          "set sync_in_backward=False in the plan, or make each call its own unit")
 
-  def _train_step(self, state: TrainState, batch: jax.Array):
-    grads, loss = jax.shard_map(
+  def _train_step(self, state: TrainState, batch):
+    grads, loss, aux, mutable = jax.shard_map(
         self._local_grads, mesh=self.mesh,
-        in_specs=(self.param_specs, P(None, self.data_axes)),
-        out_specs=(self.param_specs, P()), check_vma=False)(state.params, batch)
+        in_specs=(self.param_specs, P(None, self.data_axes), P(), P(), P()),
+        out_specs=(self.param_specs, P(), P(), P()), check_vma=False)(
+            state.params, batch, state.step, state.rng, state.mutable)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -204,39 +311,95 @@ class Executor:
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new = TrainState(step=state.step + 1, params=keep(params, state.params),
                      opt_state=keep(opt_state, state.opt_state),
-                     skipped=state.skipped + (~finite).astype(jnp.int32))
-    return new, StepMetrics(loss, grad_norm, finite)
+                     skipped=state.skipped + (~finite).astype(jnp.int32), rng=state.rng,
+                     mutable=keep(mutable, state.mutable))
+    return new, StepMetrics(loss, grad_norm, finite, aux)
 
   def step_fn(self, state_shardings: TrainState | None = None):
-    """The jitted `(state, batch[accum, global_batch, seq + 1]) -> (state, StepMetrics)`; donates state."""
+    """The jitted `(state, batch) -> (state, StepMetrics)`; donates state.
+
+    `batch` is a pytree (numpy or jax arrays) whose leaves lead with `[accum, global_batch, ...]`, or
+    with `[global_batch, ...]` when `accum_steps == 1`; see `shard_batch`.
+    """
     if self._step is None:
       sh = state_shardings or self.shardings()
       jitted = jax.jit(self._train_step, in_shardings=(sh, self.batch_sharding),
                        out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0)
 
       def step(state, batch):
-        self.check_batch(batch.shape)
-        return jitted(state, batch)
+        return jitted(state, self.shard_batch(batch))
       step.lower = jitted.lower
       self._step = step
     return self._step
 
-  def check_batch(self, shape: tuple[int, ...]) -> None:
-    """Raises a clear error for a batch the step cannot shard: `[accum, global_batch, seq + 1]`."""
-    if len(shape) != 3 or shape[0] != self.accum_steps:
-      raise ValueError(f"batch of shape {tuple(shape)} should be [accum_steps={self.accum_steps}, "
-                       "global_batch, seq_len + 1]")
-    if shape[1] % self.world:
-      raise ValueError(f"global batch size {shape[1]} is not divisible by the {self.world} devices of the "
-                       f"mesh; use a multiple of {self.world}")
+  def shard_batch(self, batch):
+    """`batch` as the step takes it: every leaf `[accum, global_batch, ...]`, sharded over the data axes
+    (a leaf `[global_batch, ...]` gets the accumulation axis when `accum_steps == 1`)."""
+    batch = self._with_accum_axis(batch)
+    self.check_batch(batch)
+    put = lambda x: (x if isinstance(x, jax.Array) and x.sharding == self.batch_sharding
+                     else jax.device_put(x, self.batch_sharding))
+    return jax.tree.map(put, batch)
+
+  def _with_accum_axis(self, batch):
+    if self.accum_steps != 1:
+      return batch
+    example = self.model.example_batch
+    if example is not None and jax.tree.structure(example) == jax.tree.structure(batch):
+      return jax.tree.map(lambda x, e: x[None] if np.ndim(x) == len(e.shape) else x, batch, example)
+    if all(np.ndim(x) >= 2 and np.shape(x)[0] == 1 for x in jax.tree.leaves(batch)):
+      return batch
+    return jax.tree.map(lambda x: x[None], batch)
+
+  def check_batch(self, batch) -> None:
+    """Raises a one-line error for a batch the step cannot shard: every leaf must lead with
+    `[accum_steps, global_batch]`, global_batch the same for all leaves and divisible by the devices.
+
+    Args:
+      batch: a pytree of arrays (or `ShapeDtypeStruct`s), or the shape tuple of a one-array batch.
+    """
+    if isinstance(batch, tuple) and all(isinstance(d, int) for d in batch):
+      batch = jax.ShapeDtypeStruct(batch, jnp.int32)
+    sizes = set()
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+      shape, name = tuple(np.shape(x)), jax.tree_util.keystr(path) or "batch"
+      if len(shape) < 2 or shape[0] != self.accum_steps:
+        raise ValueError(f"batch leaf {name} of shape {shape} should be [accum_steps={self.accum_steps}, "
+                         "global_batch, ...] (or [global_batch, ...] when accum_steps=1)")
+      sizes.add(shape[1])
+    if len(sizes) > 1:
+      raise ValueError(f"batch leaves have different global batch sizes {sorted(sizes)} (axis 1 of "
+                       "[accum_steps, global_batch, ...]); give every leaf the same")
+    for b in sizes:
+      if b % self.world:
+        raise ValueError(f"global batch size {b} is not divisible by the {self.world} devices of the "
+                         f"mesh; use a multiple of {self.world}")
 
   def eval_fn(self):
-    """Jitted mean loss of a batch `[global_batch, seq + 1]` (forward only)."""
-    def local(master, tokens):
+    """Jitted `(params, batch[global_batch, ...], mutable=None)` -> mean loss (and aux with
+    `Model.has_aux`), forward only; the loss gets rng None and the mutable collections read-only."""
+    def local(master, batch, mutable):
       shards = self._param_shards(master)
-      return lax.pmean(self.model.loss(self._units(shards, shards), tokens), self.data_axes)
-    return jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(self.data_axes)),
-                                 out_specs=P(), check_vma=False))
+      loss, aux, _ = call_loss(self.model, self._units(shards, shards), batch, None, mutable)
+      loss = lax.pmean(loss, self.data_axes)
+      if not self.model.has_aux:
+        return loss
+      return loss, jax.tree.map(lambda a: lax.pmean(_inexact(a), self.data_axes), aux)
+    run = jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(self.data_axes), P()),
+                                out_specs=P(), check_vma=False))
+    return lambda params, batch, mutable=None: run(params, batch, mutable)
+
+
+def _is_inexact(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _inexact(x):
+  return x if _is_inexact(x) else x.astype(jnp.float32)
+
+
+def _same_structure(a, b) -> bool:
+  return jax.tree.structure(a) == jax.tree.structure(b, is_leaf=layout_lib.is_layout)
 
 
 def check_elementwise(optimizer: optax.GradientTransformation, flat_params) -> None:

@@ -62,7 +62,9 @@ class Plan:
     sync_in_backward: for plans with replicas and A_g = A_os (DP, MiCS): the last micro-step of an
       accumulation window all-reduces each unit's gradient over the replica axes inside its backward,
       overlapping the sync with the remaining backward compute; False syncs after the window (MiCS §3.4
-      as written). Same sums either way.
+      as written). Same sums either way (to float reassociation). Needs every unit called once per
+      micro-batch, which is checked at trace time (a model whose layers are traced twice, as flax's
+      `nn.scan` does, is refused with a one-line error): opt-in, on in `configs/mics*.gin`.
     param_dtype: dtype of the parameters on the wire (and in compute unless `compute_dtype` is set).
     compute_dtype: dtype the gathered parameters are cast to before the unit's computation (None:
       `param_dtype`). E.g. bf16 on the wire with fp32 compute, faster than bf16 math on CPUs.
@@ -87,7 +89,7 @@ class Plan:
   grad_axes: Axes = AXES
   opt_axes: Axes = AXES
   hierarchical: bool | None = False
-  sync_in_backward: bool = True
+  sync_in_backward: bool = False
   param_dtype: str = "bfloat16"
   reduce_dtype: str = "float32"
   compute_dtype: str | None = None

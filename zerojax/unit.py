@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from zerojax import comm
@@ -111,8 +112,24 @@ def _sharded_call(f, meta, shards, sinks, *args):
   return f(_tree(meta, _gather_flats(meta, shards)), *args)
 
 
+def _after(tree, dep):
+  """`tree` plus a zero computed from `dep`: a data dependency XLA keeps (the CPU pipeline drops
+  optimization barriers before CSE and loop-invariant code motion). A unit's gathers then run only once
+  its input (forward) or its cotangent (backward) exists, so an unscanned unit's full weights are neither
+  shared by its forward and backward nor hoisted out of the micro-batch loop: they live while it runs.
+  The zero comes from the bits of one element of `dep`, so it is +0.0 even where `dep` is inf or NaN."""
+  for x in jax.tree.leaves(dep):
+    if x.size and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) and x.dtype != jax.dtypes.float0:
+      v = x.reshape(-1)[0]
+      if jnp.issubdtype(v.dtype, jnp.inexact):
+        v = lax.bitcast_convert_type(v.real, jnp.dtype(f"uint{8 * v.real.dtype.itemsize}"))
+      z = v.astype(jnp.float32) * 0.0
+      return jax.tree.map(lambda y: y + z.astype(y.dtype), tree)
+  return tree
+
+
 def _sharded_fwd(f, meta, shards, sinks, *args):
-  flats = _gather_flats(meta, shards)
+  flats = _gather_flats(meta, _after(shards, args))
   # Residual: the primary shard, or with hpZ the secondary shard of the (dequantized) gathered weights,
   # so the backward uses exactly the forward's weights. Never the full gathered weights.
   kept = _secondary_shards(meta, flats) if meta.plan.secondary_axes else shards
@@ -124,6 +141,7 @@ def _sharded_bwd(f, meta, residuals, g):
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
   # gather (keeping full weights alive across the whole step) nor hoist it early.
   kept, g = lax.optimization_barrier((kept, g))
+  kept = _after(kept, g)
   if meta.plan.secondary_axes:
     flats = comm.all_gather_unit(kept, meta.plan.secondary_axes, hierarchical=meta.plan.hierarchical)
   else:
@@ -141,20 +159,87 @@ def _sharded_bwd(f, meta, residuals, g):
 _sharded_call.defvjp(_sharded_fwd, _sharded_bwd)
 
 
+class _Bound:
+  """`f(params, *args, **kwargs)` with the non-array arguments of one call bound, called as
+  `g(params, *arrays)`: Python values (`train=True`, `None`, strings) stay static for the custom VJP."""
+
+  def __init__(self, f, treedef, static):
+    self.f, self.treedef, self.static = f, treedef, static
+
+  def __call__(self, params, *arrays):
+    it = iter(arrays)
+    args, kwargs = jax.tree.unflatten(self.treedef, [next(it) if s is _ARRAY else s for s in self.static])
+    return self.f(params, *args, **kwargs)
+
+
+_ARRAY = object()
+_COLLECTIVE_PARAMS = ("axes", "axis_name")
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _sub_jaxprs(eqn):
+  for v in eqn.params.values():
+    for j in (v if isinstance(v, (tuple, list)) else (v,)):
+      if hasattr(j, "eqns"):
+        yield j
+      elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+        yield j.jaxpr
+
+
+def _collective_axes(jaxpr) -> set:
+  found = set()
+  for eqn in jaxpr.eqns:
+    for k in _COLLECTIVE_PARAMS:
+      v = eqn.params.get(k)
+      found |= {a for a in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(a, str)}
+    for sub in _sub_jaxprs(eqn):
+      found |= _collective_axes(sub)
+  return found
+
+
+def _check_collectives(f, meta: UnitMeta, arrays) -> None:
+  """Raises if `f` calls a collective over an axis of the mesh (zerojax's own) or an unbound one."""
+  dtype = meta.plan.compute_dtype or meta.plan.param_dtype
+  tree = jax.tree.unflatten(meta.treedef, [jax.ShapeDtypeStruct(l.shape, dtype) for l in meta.leaves])
+  name = getattr(f.f if isinstance(f, _Bound) else f, "__qualname__", repr(f))
+  fix = ("zerojax owns the mesh axes for sharding and averages mutable collections (batch_stats) over the "
+         "data-parallel devices after each step: drop the unit's collective (e.g. BatchNorm's axis_name)")
+  try:
+    jaxpr = jax.make_jaxpr(f)(tree, *arrays)
+  except NameError as e:
+    raise ValueError(f"unit {name} calls a collective over an axis that is not bound inside zerojax's step "
+                     f"({e}); {fix}") from None
+  owned = _collective_axes(jaxpr.jaxpr) & {a for a, _ in meta.axis_sizes}
+  if owned:
+    raise ValueError(f"unit {name} calls a collective over the mesh axes {sorted(owned)}; {fix}")
+
+
 def unit(f: Callable) -> Callable:
-  """Turns `f(params, *args)` into a ZeRO unit (see the module docstring).
+  """Turns `f(params, *args, **kwargs)` into a ZeRO unit (see the module docstring).
 
   Args:
-    f: a pure function of a params pytree and further arguments.
+    f: a pure function of a params pytree and further arguments. Array arguments (positional or
+      keyword) are differentiated; any other argument (`train=True`, `None`, a string) is static.
 
   Returns:
-    `g(params, *args)`: `f(params, *args)` for plain params; for a `ShardedUnit`, the sharded call whose
-    parameters are gathered in forward and backward and whose gradient is reduced in backward.
+    `g(params, *args, **kwargs)`: `f(params, *args, **kwargs)` for plain params; for a `ShardedUnit`, the
+    sharded call whose parameters are gathered in forward and backward and whose gradient is reduced in
+    backward.
+
+  Raises:
+    ValueError: `f` calls a collective over a mesh axis (zerojax's) or over an axis that is not bound.
   """
   @functools.wraps(f)
-  def apply(params, *args):
+  def apply(params, *args, **kwargs):
     if isinstance(params, ShardedUnit):
       params.meta.calls.append(f)
-      return _sharded_call(f, params.meta, params.shards, params.sinks, *args)
-    return f(params, *args)
+      leaves, treedef = jax.tree.flatten((args, kwargs))
+      g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))
+      arrays = [x for x in leaves if _is_array(x)]
+      _check_collectives(g, params.meta, arrays)
+      return _sharded_call(g, params.meta, params.shards, params.sinks, *arrays)
+    return f(params, *args, **kwargs)
   return apply

@@ -1,7 +1,8 @@
 """Checkpoints of the train state with orbax, in a logical layout that restores onto any mesh or plan.
 
 A checkpoint holds what a run needs to continue: the fp32 master parameters, the optimizer states, the
-step, the count of skipped steps and the data seed. The step is also the data position: batches are a
+step, the count of skipped steps, the data seed and, for models that have them, the run's rng and the
+mutable collections (BatchNorm statistics). The step is also the data position: batches are a
 pure function of `(seed, step)` (`zerojax.data`). Parameters, and every optimizer-state leaf that has a
 parameter's flat shape, are stored in the model's own shapes without padding; scalars (counts) as they
 are. Nothing stored depends on the mesh, the process count or the plan, so a checkpoint restores onto
@@ -14,7 +15,7 @@ The conversion to the logical layout is a jitted function whose outputs stay sha
 training loop is blocked only while the logical copy is made and handed to host memory; the writes run
 in the background and are atomic (a step folder appears only once complete). One checkpoint folder:
 
-  DIR/<step>/state/   the logical arrays: {"params", "opt_state", "step", "skipped"}
+  DIR/<step>/state/   the logical arrays: {"params", "opt_state", "step", "skipped"[, "rng", "mutable"]}
   DIR/<step>/meta/    JSON: format, step, plan, mesh and process count at save time, seed
 
 References:
@@ -36,7 +37,7 @@ from zerojax.mesh import group_size
 
 FORMAT = 1
 SEP = "/"
-STORED = ("step", "params", "opt_state", "skipped")  # the TrainState fields that are state, not derived
+STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable")  # TrainState fields that are state
 
 
 class CheckpointError(ValueError):
@@ -83,9 +84,11 @@ class _Spec:
   def __init__(self, executor):
     shapes = jax.eval_shape(executor._init_from_flat, executor._flat_shapes())
     self.shardings = executor.shardings(shapes)
+    by_path = {path_names(p): lay for p, lay in jax.tree_util.tree_flatten_with_path(
+        executor.layout.tree(), is_leaf=layout_lib.is_layout)[0]}
+    # Optimizer states are named by the user's tree (e.g. flax's params), which the optimizer sees.
     params = [(path_names(p), lay) for p, lay in jax.tree_util.tree_flatten_with_path(
-        executor.layout.tree(), is_leaf=layout_lib.is_layout)[0]]
-    by_path = dict(params)
+        executor.user_layout(), is_leaf=layout_lib.is_layout)[0]]
     fields = tuple(f.name for f in dataclasses.fields(shapes))
     if sorted(fields) != sorted(STORED):
       raise CheckpointError(f"TrainState has fields {fields} but checkpoints store {STORED}: add a new field "
@@ -97,7 +100,7 @@ class _Spec:
       names = path_names(path)
       if names[0] == "params":
         lay = by_path[names[1:]]
-      elif x.ndim == 0:
+      elif names[0] != "opt_state" or x.ndim == 0:
         lay = None
       else:
         lay = self._owner(names, tuple(x.shape), params)
@@ -114,7 +117,8 @@ class _Spec:
   @staticmethod
   def _owner(names, shape, params):
     """The layout of the parameter an optimizer-state leaf belongs to: its path ends with the param's."""
-    match = [lay for p, lay in params if names[-len(p):] == p and lay.flat_shape() == shape]
+    ends = [(len(p), lay) for p, lay in params if names[-len(p):] == p and lay.flat_shape() == shape]
+    match = [lay for n, lay in ends if n == max(n for n, _ in ends)]  # the longest path: ("last", "bias"), not ("bias",)
     if len(match) != 1:
       match = [lay for _, lay in params if lay.flat_shape() == shape]
     if len(match) != 1:
