@@ -1,12 +1,12 @@
-"""zerojax: ZeRO-3, ZeRO++ and MiCS as plans of one sharded data-parallel executor."""
-from zerojax.executor import Executor, Model, StepMetrics, TrainState, check_elementwise
+"""zerojax: ZeRO-3, ZeRO++, MiCS, AMSP and Radius as plans of one sharded data-parallel executor."""
+from zerojax.executor import Executor, Model, RadiusState, StepMetrics, TrainState, check_elementwise
 from zerojax.layout import Layout, LeafLayout
 from zerojax.mesh import initialize_distributed, make_mesh
-from zerojax.plan import PLANS, Plan, dp, mics, zero1, zero2, zero3, zeropp
+from zerojax.plan import PLANS, Plan, Radius, dp, mics, radius, zero1, zero2, zero3, zeropp
 from zerojax.unit import ShardedUnit, unit
 
 __all__ = [
-    "Executor", "Model", "StepMetrics", "TrainState", "check_elementwise", "Layout", "LeafLayout",
-    "initialize_distributed", "make_mesh", "PLANS", "Plan", "dp", "mics", "zero1", "zero2", "zero3", "zeropp",
-    "ShardedUnit", "unit",
+    "Executor", "Model", "RadiusState", "StepMetrics", "TrainState", "check_elementwise", "Layout", "LeafLayout",
+    "initialize_distributed", "make_mesh", "PLANS", "Plan", "Radius", "dp", "mics", "radius", "zero1", "zero2",
+    "zero3", "zeropp", "ShardedUnit", "unit",
 ]

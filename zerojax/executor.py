@@ -12,12 +12,19 @@ Per step, inside one `jax.shard_map` over the ("node", "gpu") mesh:
    `clip_by_global_norm` are correct without hand-written collectives. A step whose loss or gradients
    are not finite is skipped (state unchanged) and counted.
 
+With `plan.replica_sync = radius(...)` step 2's all-reduce is Radius's (Algorithm 1): each step runs one
+of three compiled programs, picked on the host from the step and the last selection (`phase`):
+"dense" (the warm-up, the plan's own step), "select" (dense all-reduce of gradient + residual, then
+top-k of the optimizer's update per shard) or "sparse" (all-reduce of the k selected values only).
+
 References:
   ZeRO: Rajbhandari et al. 2020, §5. MiCS: Zhang et al. 2022, §3.3. AMSP: Chen et al. 2023, §3.
+  Radius: Zheng & Zhang, Algorithms 1–2.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -50,11 +57,21 @@ class Model(NamedTuple):
 
 
 @flax.struct.dataclass
+class RadiusState:
+  """Radius's state (Algorithm 1): what a replica has not sent, and the window's selection."""
+  residual: Any          # per leaf [replicas, (layers,) padded]: each replica's unsent gradient (mean units),
+                         # sharded over the replica axes and, like the master weights, over A_os
+  indices: Any           # per leaf [(layers,) shards * k] int32: each A_os shard's k positions, ascending
+  selected_at: jax.Array  # step of the last selection; -1 before the first
+
+
+@flax.struct.dataclass
 class TrainState:
   step: jax.Array
   params: Any            # fp32 master weights: flat padded leaves sharded over A_os
   opt_state: Any         # optimizer states, sharded like the master weights
   skipped: jax.Array     # steps skipped for non-finite loss or gradients (total)
+  radius: RadiusState | None = None  # with plan.replica_sync = radius(...)
 
 
 class StepMetrics(NamedTuple):
@@ -101,6 +118,10 @@ class Executor:
       self._metas[u] = UnitMeta(plan, sizes, treedef, tuple(leaves))
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
+    self.replicas = plan.replica_axes(mesh)
+    if plan.replica_sync is not None:  # Radius: k per A_os shard of every leaf (per layer)
+      shards = group_size(mesh, plan.opt_order)
+      self.radius_k = tuple(plan.replica_sync.shard_k(l.padded // shards) for l in self.layout.leaves)
 
   # -- state -----------------------------------------------------------------------------------------
   def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
@@ -111,7 +132,15 @@ class Executor:
     by_ndim = {1: NamedSharding(self.mesh, P(self.plan.opt_order or None)),
                2: NamedSharding(self.mesh, P(None, self.plan.opt_order or None))}
     opt = jax.tree.map(lambda x: rep if x.ndim == 0 else by_ndim[x.ndim], state_shapes.opt_state)
-    return TrainState(step=rep, params=params, opt_state=opt, skipped=rep)
+    radius = None
+    if self.plan.replica_sync is not None:
+      radius = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._radius_specs())
+    return TrainState(step=rep, params=params, opt_state=opt, skipped=rep, radius=radius)
+
+  def _radius_specs(self) -> RadiusState:
+    """PartitionSpecs of the Radius state: the residual has a leading replica axis."""
+    res = jax.tree.map(lambda s: P(self.replicas, *s), self.param_specs, is_leaf=lambda s: isinstance(s, P))
+    return RadiusState(residual=res, indices=self.param_specs, selected_at=P())
 
   def _flat_shapes(self):
     return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), self.layout.tree(),
@@ -119,8 +148,17 @@ class Executor:
 
   def _init_from_flat(self, flat):
     check_elementwise(self.optimizer, flat)
+    radius = None
+    if self.plan.replica_sync is not None:
+      reps, shards = group_size(self.mesh, self.replicas), group_size(self.mesh, self.plan.opt_order)
+      leaves, treedef = jax.tree.flatten(flat)
+      radius = RadiusState(
+          residual=jax.tree.map(lambda x: jnp.zeros((reps,) + x.shape, jnp.float32), flat),
+          indices=treedef.unflatten([jnp.tile(jnp.arange(k, dtype=jnp.int32), x.shape[:-1] + (shards,))
+                                     for x, k in zip(leaves, self.radius_k)]),
+          selected_at=jnp.full((), -1, jnp.int32))
     return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=self.optimizer.init(flat),
-                      skipped=jnp.zeros((), jnp.int32))
+                      skipped=jnp.zeros((), jnp.int32), radius=radius)
 
   def init(self, rng: jax.Array) -> TrainState:
     """Initialises the model and optimizer directly into the plan's sharded layout."""
@@ -149,8 +187,9 @@ class Executor:
     return jax.tree.map(lambda m: comm.all_gather_raw(cast(m), to_p, axis=m.ndim - 1, tiled=True),
                         master)
 
-  def _local_grads(self, master, batch):
-    """shard_map body: master shard (over A_os) and local batch -> reduced gradient shard, mean loss."""
+  def _local_grads(self, master, batch, residual=None, indices=None, phase="dense"):
+    """shard_map body: master shard (over A_os) and local batch -> reduced gradient shard, mean loss;
+    Radius's phases also take and return the residual (and the sparse one the window's indices)."""
     plan = self.plan
     p_shards = self._param_shards(master)
     k_g = group_size(self.mesh, plan.grad_axes)
@@ -163,7 +202,7 @@ class Executor:
 
     to_os = plan.opt_order[len(plan.grad_order):]
     replicas = plan.replica_axes(self.mesh)
-    if plan.sync_in_backward and replicas and not to_os:
+    if plan.sync_in_backward and replicas and not to_os and phase == "dense":
       # MiCS §3.4 with the boundary all-reduce overlapped: the window's last micro-step all-reduces each
       # unit's gradient (plus what the window accumulated) inside its backward, so layer i's all-reduce
       # runs while layer i-1's backward computes. The sums are the same as after the window.
@@ -177,12 +216,37 @@ class Executor:
       acc, losses = lax.scan(micro, zeros_g, batch)
       if to_os:
         acc = jax.tree.map(lambda g: lax.psum_scatter(g, to_os, scatter_dimension=g.ndim - 1, tiled=True), acc)
-      if replicas:
+      if replicas and phase == "dense":
         acc = jax.tree.map(lambda g: lax.psum(g, replicas), acc)
-    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
-    acc = jax.tree.map(lambda g: g / (self.world * self.accum_steps), acc)
     loss = lax.pmean(jnp.mean(losses), self.data_axes)
-    return acc, loss
+    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
+    denom = self.world * self.accum_steps
+    if phase == "dense":
+      return jax.tree.map(lambda g: g / denom, acc), loss
+    grads, treedef = jax.tree.flatten(acc)
+    res = [r[0] for r in jax.tree.leaves(residual)]  # this replica's row
+    if phase == "select":  # Radius Algorithm 1 lines 8–11
+      grads, res = comm.radius.dense_all_reduce(grads, res, replicas, denom)
+    else:                  # lines 13–17
+      grads, res = comm.radius.sparse_all_reduce(grads, res, jax.tree.leaves(indices), replicas, denom)
+    return treedef.unflatten(grads), loss, treedef.unflatten([r[None] for r in res])
+
+  def _select(self, updates):
+    """shard_map body, Radius Algorithm 1 line 23: each shard's top-k positions of |update|."""
+    leaves, treedef = jax.tree.flatten(updates)
+    owner = mesh_lib.owner_index(self.plan.opt_order) if self.plan.opt_order else 0
+    return treedef.unflatten([comm.radius.select(u, k, owner * u.shape[-1], lay.size)
+                              for u, k, lay in zip(leaves, self.radius_k, self.layout.leaves)])
+
+  def phase(self, state: TrainState) -> str:
+    """The program a step of `state` runs: "dense", or with Radius "select" / "sparse" (Algorithm 1:
+    dense before `dense_steps`, then a select step when `period` steps have passed since the last one
+    (or none was made, e.g. after restoring a dense checkpoint), else sparse). Reads two scalars."""
+    r = self.plan.replica_sync
+    if r is None or int(state.step) < r.dense_steps:
+      return "dense"
+    at = int(state.radius.selected_at)
+    return "select" if at < 0 or int(state.step) - at >= r.period else "sparse"
 
   @staticmethod
   def _check_single_calls(units: dict) -> None:
@@ -192,32 +256,58 @@ class Executor:
                          "all-reduce inside the backward (Plan.sync_in_backward) needs one call per unit: "
                          "set sync_in_backward=False in the plan, or make each call its own unit")
 
-  def _train_step(self, state: TrainState, batch: jax.Array):
-    grads, loss = jax.shard_map(
-        self._local_grads, mesh=self.mesh,
-        in_specs=(self.param_specs, P(None, self.data_axes)),
-        out_specs=(self.param_specs, P()), check_vma=False)(state.params, batch)
+  def _train_step(self, state: TrainState, batch: jax.Array, phase: str = "dense"):
+    data = P(None, self.data_axes)
+    radius = state.radius
+    if phase == "dense":
+      grads, loss = jax.shard_map(
+          self._local_grads, mesh=self.mesh, in_specs=(self.param_specs, data),
+          out_specs=(self.param_specs, P()), check_vma=False)(state.params, batch)
+    else:
+      specs = self._radius_specs()
+      grads, loss, residual = jax.shard_map(
+          functools.partial(self._local_grads, phase=phase), mesh=self.mesh,
+          in_specs=(self.param_specs, data, specs.residual, specs.indices),
+          out_specs=(self.param_specs, P(), specs.residual), check_vma=False)(
+              state.params, batch, radius.residual, radius.indices)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    if phase == "select":  # the update is -lr x Algorithm 2's corrected gradient: rank its magnitude
+      indices = jax.shard_map(self._select, mesh=self.mesh, in_specs=(self.param_specs,),
+                              out_specs=self.param_specs, check_vma=False)(updates)
+      radius = keep(RadiusState(residual, indices, state.step), radius)
+    elif phase == "sparse":
+      radius = radius.replace(residual=keep(residual, radius.residual))
     new = TrainState(step=state.step + 1, params=keep(params, state.params),
                      opt_state=keep(opt_state, state.opt_state),
-                     skipped=state.skipped + (~finite).astype(jnp.int32))
+                     skipped=state.skipped + (~finite).astype(jnp.int32), radius=radius)
     return new, StepMetrics(loss, grad_norm, finite)
 
   def step_fn(self, state_shardings: TrainState | None = None):
-    """The jitted `(state, batch[accum, global_batch, seq + 1]) -> (state, StepMetrics)`; donates state."""
+    """The jitted `(state, batch[accum, global_batch, seq + 1]) -> (state, StepMetrics)`; donates state.
+
+    With Radius the step runs the program of `phase(state)`, each compiled on first use;
+    `step.lower(state, batch, phase=None)` lowers one (default: "sparse" with Radius, else "dense").
+    """
     if self._step is None:
       sh = state_shardings or self.shardings()
-      jitted = jax.jit(self._train_step, in_shardings=(sh, self.batch_sharding),
-                       out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0)
+      programs = {}
+
+      def program(phase):
+        if phase not in programs:
+          programs[phase] = jax.jit(functools.partial(self._train_step, phase=phase),
+                                    in_shardings=(sh, self.batch_sharding),
+                                    out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0)
+        return programs[phase]
 
       def step(state, batch):
         self.check_batch(batch.shape)
-        return jitted(state, batch)
-      step.lower = jitted.lower
+        return program(self.phase(state))(state, batch)
+      default = "dense" if self.plan.replica_sync is None else "sparse"
+      step.lower = lambda state, batch, phase=None: program(phase or default).lower(state, batch)
       self._step = step
     return self._step
 
