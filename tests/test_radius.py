@@ -210,3 +210,195 @@ def test_selection_ranks_the_adamw_corrected_update():
     total += int(m.sum())
   assert agree["corrected"] / total > 0.995, agree
   assert agree["gradient"] / total < 0.9, agree
+
+
+# -- the wire ----------------------------------------------------------------------------------------
+
+def test_sparse_step_moves_k_elements_on_the_replica_all_reduce():
+  """Properties 13, 14: read from the compiled programs, the sparse step's replica sync is one all-reduce
+  of the k selected fp32 values per device over the replication groups (no all-gather, no indices); the
+  select step's moves the whole shard, as the dense plan's does; the group's own collectives are the
+  dense plan's."""
+  mesh = zerojax.make_mesh(2, 4)
+  ex = zerojax.Executor(helpers.tiny_gpt(), optax.adam(1e-3), PLANS["mics4"][0](RADIUS), mesh, accum_steps=2)
+  state = ex.init(jax.random.key(0))
+  batch = jax.device_put(helpers.batches(1, 2)[0], ex.batch_sharding)
+  found = {p: analysis.collectives_from_hlo(ex.step_fn().lower(state, batch, phase=p).compile().as_text(), ex.mesh)
+           for p in ("dense", "select", "sparse")}
+  sync = {p: [c for c in f if c.role == "replica sync"] for p, f in found.items()}
+  elements = {p: sum(c.count * sum(math.prod(s) for s in c.operand_shapes) for c in cs) for p, cs in sync.items()}
+  k = sum(k * (lay.layers or 1) for k, lay in zip(ex.radius_k, ex.layout.leaves))
+  shard = sum(lay.padded // 4 * (lay.layers or 1) for lay in ex.layout.leaves)
+  assert elements == {"dense": shard, "select": shard, "sparse": k}
+  assert k == pytest.approx(RADIUS.density * shard, rel=0.02)
+  assert len(sync["sparse"]) == 1 and sync["sparse"][0].op == "all-reduce" and sync["sparse"][0].dtype == "f32"
+  assert sync["sparse"][0].bytes_per_device == 4 * k  # ring model: 2 replicas, 2 (n - 1) / n x 4k bytes
+  replication = {frozenset(range(j, 8, 4)) for j in range(4)}
+  assert all({frozenset(g) for g in c.replica_groups} == replication for cs in sync.values() for c in cs)
+  group = lambda f: sorted((c.op, c.operand_shapes, c.count) for c in f if c.role not in ("replica sync", "metrics"))
+  assert group(found["sparse"]) == group(found["select"])
+  assert not any(c.op == "all-gather" and c.role == "replica sync" for f in found.values() for c in f)
+
+
+# -- the residual ------------------------------------------------------------------------------------
+
+def test_residual_conservation_over_a_window():
+  """Properties 8–10: with frozen weights and one batch, a sparse step sends the mean gradient on the
+  selection and exactly zero elsewhere; each replica's residual keeps exactly what it did not send (zero
+  on the selection, after two steps exactly twice that of one), and the window's select step delivers it:
+  over the window the optimizer receives T x the dense gradient."""
+  radius = plans.radius(density=0.25, period=4)
+  model, mesh = helpers.tiny_gpt(), zerojax.make_mesh(2, 4)
+  params = jax.jit(model.init)(jax.random.key(0))
+  batch = helpers.batches(1, 2)[0]
+  ex = zerojax.Executor(model, helpers.capture_grads(), PLANS["mics4"][0](radius), mesh, accum_steps=2)
+  dense = [np.asarray(layout_lib.flatten_leaf(g, l))
+           for g, l in zip(jax.tree.leaves(helpers.reference_grads(model, params, batch)), ex.layout.leaves)]
+  state, step = ex.init_from_params(params), ex.step_fn()
+  phases, sent, residual = [], [], []
+  for _ in range(5):
+    phases.append(ex.phase(state))
+    state, _ = step(state, jax.device_put(batch, ex.batch_sharding))
+    sent.append([np.asarray(g) for g in jax.tree.leaves(state.opt_state)])  # the gradient the optimizer got
+    residual.append([np.asarray(r) for r in jax.tree.leaves(state.radius.residual)])
+  assert phases == ["select", "sparse", "sparse", "sparse", "select"]
+  masks = executor_masks(ex, state)
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * max(float(np.abs(b).max()), 1e-30))
+  for i, (d, m) in enumerate(zip(dense, masks)):
+    close(sent[0][i], d)
+    for s in (1, 2, 3):
+      assert (sent[s][i][~m] == 0).all() and (residual[s][i][:, m] == 0).all()
+      close(sent[s][i][m], d[m])
+      close(residual[s][i].sum(0), s * np.where(m, 0, d))
+    np.testing.assert_array_equal(residual[2][i], 2 * residual[1][i])
+    assert (residual[4][i] == 0).all() and (residual[0][i] == 0).all()
+    close(sent[4][i], d + residual[3][i].sum(0))
+    close(sum(sent[s][i] for s in (1, 2, 3, 4)), 4 * d)
+  assert any(not np.array_equal(r[0], r[1]) for r in residual[1])  # per replica: each its own rows
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+
+def ckpt_executor(plan, mesh):
+  from zerojax.train.optim import make_optimizer
+  return zerojax.Executor(helpers.tiny_gpt(), make_optimizer(total_steps=10), plan, mesh, pad_multiple=3)
+
+
+def logical(ex, state) -> dict:
+  return {state_spec.SEP.join(state_spec.path_names(p)): np.asarray(x)
+          for p, x in jax.tree_util.tree_leaves_with_path(state_spec.logical_state(ex, state))}
+
+
+@pytest.fixture(scope="module")
+def saved_mid_window(tmp_path_factory):
+  """MiCS + Radius, adamw: saved after 3 steps (dense, select, sparse; the window runs to step 4), then
+  trained 2 more steps."""
+  ex = ckpt_executor(PLANS["mics4"][0](RADIUS), zerojax.make_mesh(2, 4))
+  state, step = ex.init(jax.random.key(0)), ex.step_fn()
+  batches = [jax.device_put(b, ex.batch_sharding) for b in helpers.batches(5, 1)]
+  for b in batches[:3]:
+    state, _ = step(state, b)
+  path = str(tmp_path_factory.mktemp("radius_ckpt"))
+  with checkpoint.Checkpointer(path) as c:
+    assert c.save(ex, state)
+  want = logical(ex, state)
+  for b in batches[3:]:
+    state, _ = step(state, b)
+  return ex, batches, want, jax.tree.map(np.asarray, state), path
+
+
+def restore(ex, path):
+  with checkpoint.Checkpointer(path, read_only=True) as c:
+    return c.restore(ex)[0]
+
+
+def test_resume_mid_window_is_bitwise(saved_mid_window):
+  """The residual, the indices and the last selection's step are checkpointed: resuming mid-window
+  continues bitwise like the run that never stopped."""
+  ex, batches, want, final, path = saved_mid_window
+  state = restore(ex, path)
+  assert {k for k in want if k.startswith("radius")} >= {"radius/selected_at", "radius/residual/blocks/fc/kernel",
+                                                           "radius/indices/blocks/fc/kernel"}
+  assert want["radius/indices/blocks/fc/kernel"].dtype == bool and want["radius/residual/blocks/fc/kernel"].shape == (
+      2, 2, 32, 128)
+  assert ex.phase(state) == "sparse" and int(state.radius.selected_at) == 1
+  step = ex.step_fn()
+  for b in batches[3:]:
+    state, _ = step(state, b)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(final)):
+    np.testing.assert_array_equal(np.asarray(a), b, strict=True)
+
+
+def test_restore_onto_another_mesh_and_plan(saved_mid_window):
+  """Onto DP + Radius on 8 x 1 (8 replicas, unsharded leaves): weights and optimizer states bitwise, the
+  residual's replica sum kept, the saved selection kept inside the new shards' k, and it trains on."""
+  _, batches, want, _, path = saved_mid_window
+  ex = ckpt_executor(PLANS["dp"][0](RADIUS), zerojax.make_mesh(8, 1))
+  state = restore(ex, path)
+  got = logical(ex, state)
+  assert set(got) == set(want)
+  for key in want:
+    if key.startswith("radius/residual"):
+      assert got[key].shape == (8,) + want[key].shape[1:]
+      np.testing.assert_allclose(got[key].sum(0), want[key].sum(0), rtol=1e-6, atol=1e-12)
+    elif key.startswith("radius/indices"):
+      assert (got[key] >= want[key]).all(), key  # every saved index is kept (DP's k per leaf is larger)
+    else:
+      np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  assert ex.phase(state) == "sparse"
+  state, m = ex.step_fn()(state, jax.device_put(np.asarray(batches[3]), ex.batch_sharding))
+  assert bool(m.finite)
+
+
+def test_checkpoints_with_and_without_radius(saved_mid_window, tmp_path):
+  """A Radius checkpoint onto a dense plan is refused (its residual would be lost); a dense one onto a
+  Radius plan starts with an empty residual and selects on its first step."""
+  _, _, _, _, path = saved_mid_window
+  mesh = zerojax.make_mesh(2, 4)
+  dense = ckpt_executor(PLANS["mics4"][0](None), mesh)
+  with pytest.raises(checkpoint.CheckpointError, match=r"replica_sync=None and would drop the unsent gradient"):
+    restore(dense, path)
+  with checkpoint.Checkpointer(str(tmp_path)) as c:
+    assert c.save(dense, dense.init(jax.random.key(0)).replace(step=jnp.int32(2)))
+  ex = ckpt_executor(PLANS["mics4"][0](RADIUS), mesh)
+  state = restore(ex, str(tmp_path))
+  assert int(state.radius.selected_at) == -1 and ex.phase(state) == "select"
+  assert all(float(jnp.abs(r).max()) == 0 for r in jax.tree.leaves(state.radius.residual))
+
+
+# -- configuration -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw,match", [
+    ({"density": 0.0}, r"density=0.0 is outside \(0, 1\]"),
+    ({"density": 1.5}, r"density=1.5 is outside \(0, 1\]"),
+    ({"period": 0}, r"period=0 must be a whole number of steps >= 1"),
+    ({"dense_steps": -1}, r"dense_steps=-1 must be a whole number of steps >= 0")])
+def test_bad_values_are_one_line_errors(kw, match):
+  with pytest.raises(ValueError, match=match) as e:
+    plans.radius(**kw)
+  assert "\n" not in str(e.value)
+
+
+def test_radius_needs_replicas():
+  with pytest.raises(ValueError, match=r"plan 'zero3': replica_sync=radius\(...\) .* \(no replicas\)") as e:
+    zerojax.Executor(helpers.tiny_gpt(), optax.sgd(0.1), plans.zero3(replica_sync=plans.radius()),
+                     zerojax.make_mesh(2, 4))
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match=r"replica_sync='radius'; use None"):
+    plans.mics(replica_sync="radius")
+
+
+def test_gin():
+  from zerojax.train import gin_registry  # noqa: F401
+
+  @gin.configurable("radius_test")
+  def configured(plan=gin.REQUIRED):
+    return plan
+  try:
+    gin.parse_config(["radius_test.plan = @mics()", "mics.replica_sync = @radius()", "radius.density = 0.1",
+                      "radius.period = 50"])
+    plan = configured()
+  finally:
+    gin.clear_config()
+  assert plan.replica_sync == plans.Radius(density=0.1, period=50, dense_steps=0)
+  assert plan.param_axes == ("gpu",)

@@ -30,8 +30,8 @@ def select(score: jax.Array, k: int, start, size: int) -> jax.Array:
     size: the leaf's elements without padding; padding positions rank below every real one and are
       picked, lowest first, only when the chunk has fewer than k real elements.
   """
-  pos = start + jnp.arange(score.shape[-1])
-  ranked = jnp.where(pos < size, jnp.abs(score).astype(jnp.float32), -1.0)
+  real = jnp.broadcast_to(start + jnp.arange(score.shape[-1]) < size, score.shape)
+  ranked = jnp.where(real, jnp.abs(score).astype(jnp.float32), -1.0)
   _, idx = lax.top_k(ranked, k)  # ties: the lower position first, so every replica picks the same
   return jnp.sort(idx, axis=-1).astype(jnp.int32)
 
@@ -105,8 +105,8 @@ def mask_to_indices(mask: jax.Array, k: int, shards: int, size: int) -> jax.Arra
   """
   c = mask.shape[-1] // shards
   chunks = mask.reshape(*mask.shape[:-1], shards, c)
-  pos = jnp.arange(shards)[:, None] * c + jnp.arange(c)
-  rank = jnp.where(chunks, 0, jnp.where(pos >= size, 1, 2))
+  padding = jnp.broadcast_to(jnp.arange(shards * c).reshape(shards, c) >= size, chunks.shape)
+  rank = jnp.where(chunks, 0, jnp.where(padding, 1, 2))
   idx = jnp.sort(jnp.argsort(rank, axis=-1, stable=True)[..., :k], axis=-1)
   return idx.reshape(*mask.shape[:-1], shards * k).astype(jnp.int32)
 
