@@ -16,6 +16,7 @@ import pytest
 
 import zerojax
 from zerojax import analysis, comm, layout as layout_lib, plan as plans
+from zerojax.memory import memory_report
 from zerojax.planner.space import Point
 from zerojax.train import checkpoint, state_spec
 from zerojax.train.optim import decay_mask
@@ -146,8 +147,11 @@ def test_matches_the_reference_algorithm(against_reference):
 
 def test_replicas_hold_bitwise_equal_weights_and_indices(against_reference):
   """Properties 3, 4: members of a replication group hold identical master weights, optimizer states and
-  index sets (selected from identical values, no communication)."""
+  index sets (selected from identical values, no communication); the residual and indices cost what
+  `memory_report` says."""
   _, ex, state, _, _ = against_reference
+  mem = memory_report(ex, state)
+  assert mem["measured"]["radius"] == mem["expected"]["radius"] >= mem["expected"]["master"]
   for x in jax.tree.leaves((state.params, state.opt_state, state.radius.indices)):
     by_index = {}
     for sh in x.addressable_shards:
