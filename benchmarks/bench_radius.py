@@ -134,7 +134,8 @@ def markdown(report: dict) -> str:
            f"Medians of {report['reps']} interleaved repetitions of {report['steps']} steps (min–max in "
            "brackets); the Radius runs' measured steps are sparse steps. Cross-node MB: measured payload "
            "bytes per step per node on the links. Window of 200: one select step (timed as the dense step) "
-           "and 199 sparse steps.", "",
+           "and 199 sparse steps. (The select step is step 0, where the warm-up's learning rate is 0, so "
+           "it keeps the lowest positions: bytes and times do not depend on which.)", "",
            "| replica sync | s/step | vs dense | cross-node MB/step | vs dense | 200-step window vs dense |",
            "|---|---|---|---|---|---|"]
   for r in report["rows"]:

@@ -53,7 +53,9 @@ class Radius:
   picks the k largest |optimizer update| (for AdamW lr·|m̂/(√v̂+ε) + λw|, Algorithm 2) in each device's
   shard of every leaf; the steps in between all-reduce only the k selected values and add the rest of
   the local gradient to the residual. Every replica selects from the same values, so the indices agree
-  with no communication. k = ⌈density · c⌉ for a shard of c elements of a leaf (per layer).
+  with no communication. k = ⌈density · c⌉ for a shard of c elements of a leaf (per layer). The ranking
+  is the update's magnitude, so a select step whose learning rate is 0 (a warm-up from 0) ranks only
+  ties and keeps the lowest positions: switch after it (`dense_steps` >= 1).
 
   Attributes:
     density: fraction of the gradient sent on sparse steps, in (0, 1] (the paper's d; 0.4 by default).
