@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
   ex, train_args, cfg = _gin_executor(args.gin_file, args.gin_param + ["train.plan=@zero3()"], nodes)
   batch = np.zeros((ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1), np.int32)
-  dp = lambda: type(ex)(ex.model, ex.optimizer, plans.dp(param_dtype=ex.plan.param_dtype,
+  dp = lambda: type(ex)(ex.model, ex.user_optimizer, plans.dp(param_dtype=ex.plan.param_dtype,
                                                          compute_dtype=ex.plan.compute_dtype), ex.mesh,
                         accum_steps=ex.accum_steps)
   compute_s, _ = planner.solve.measure_compute(dp, batch)
