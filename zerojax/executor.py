@@ -207,8 +207,9 @@ class Executor:
     return self.to_user(layout_lib.to_logical(state.params, self.layout))
 
   def logical_variables(self, state: TrainState) -> dict:
-    """`{"params": logical_params(state), **mutable collections}`: what flax's `apply` takes."""
-    return {"params": self.logical_params(state), **(state.mutable or {})}
+    """`{"params": logical_params(state), **mutable collections}`: what flax's `apply` takes (copies, so
+    they outlive the state, which the step donates)."""
+    return {"params": self.logical_params(state), **jax.tree.map(jnp.copy, state.mutable or {})}
 
   def user_layout(self):
     """The `LeafLayout`s in the user's tree (what the optimizer and its states are named by)."""
