@@ -229,10 +229,10 @@ GIN = ["model_config.d_model=32", "model_config.num_layers=2", "model_config.seq
        "train.eval_every=0", "train.progress=False", "train.max_data_bytes=1000000"]
 
 
-def start_train(workdir):
-  args = [sys.executable, os.path.join(ROOT, "train.py"), "--gin_file=configs/zero3.gin", f"--workdir={workdir}"]
+def start_train(workdir, gin_file="configs/zero3.gin", gin=tuple(GIN)):
+  args = [sys.executable, os.path.join(ROOT, "train.py"), f"--gin_file={gin_file}", f"--workdir={workdir}"]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.Popen(args + [f"--gin_param={g}" for g in GIN], cwd=ROOT, env=env, text=True,
+  return subprocess.Popen(args + [f"--gin_param={g}" for g in gin], cwd=ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -245,13 +245,14 @@ def records(workdir):
     return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, f) if r]
 
 
-def run_train(workdir, sig=None, when=None):
-  """Runs train.py in `workdir`; sends `sig` once `when(last step logged)` holds.
+def run_train(workdir, sig=None, when=None, **config):
+  """Runs train.py in `workdir` (`config`: `start_train`'s gin file and params); sends `sig` once
+  `when(last step logged)` holds.
 
   Returns:
     (return code, output, the records this run wrote, the step it restored or None).
   """
-  proc = start_train(workdir)
+  proc = start_train(workdir, **config)
   deadline = time.time() + 240
   while sig is not None and proc.poll() is None and time.time() < deadline:
     recs = records(workdir)

@@ -21,7 +21,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CORE = ("plan", "layout", "unit", "executor", "memory", "logical")
+CORE = ("plan", "layout", "unit", "executor", "memory", "logical", "model")
 MAX_LINES = 500
 
 

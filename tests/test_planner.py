@@ -149,3 +149,20 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile(tmp_path):
   assert ex.plan.name == rows[0]["plan"] and rows == sorted(rows, key=lambda r: r["T_step"])
   assert rows[0]["s_g"] <= 4 and rows[0]["s_p"] <= 4
   assert all(a in ex.mesh.axis_names for a in ex.plan.grad_axes)
+
+
+def test_plan_command_ranks_a_gin_config(tmp_path, capsys):
+  import gin
+  from zerojax.cli import plan as plan_cli
+  path = tmp_path / "profile.json"
+  path.write_text(json.dumps(synthetic_profile(2, 4, intra=1e-10, inter=1e-7)))
+  gin.clear_config()
+  try:
+    plan_cli.main(["--gin_file=configs/zero3.gin", "--gin_param=model_config.d_model=32",
+                   "--gin_param=model_config.num_layers=2", "--gin_param=model_config.seq_len=16",
+                   "--gin_param=train.batch_size=8", f"--profile={path}", "--json"])
+  finally:
+    gin.clear_config()
+  out = json.loads(capsys.readouterr().out)
+  assert out["compute_s"] > 0 and out["activation_bytes"] > 0 and len(out["rows"]) == 16
+  assert out["chosen"] == out["rows"][0]["plan"]

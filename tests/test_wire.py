@@ -255,10 +255,10 @@ def test_emulated_cluster_measures_the_link(tmp_path):
   assert out["plan"] == "zero3" and out["rate"] == "1gbit" and out["window"]["steps"] == 3
   assert out["median_step_time_s"] > 0 and out["tokens_per_s"] > 0
   assert len(out["links"]) == 2
-  # The same step on a 2 x 2 mesh in this process: the link carries what the accounting predicts,
-  # plus TCP/IP headers and the coordinator's heartbeats.
+  # The same step on a 2 x 2 mesh in this process (with configs/base.gin's bf16 parameters on the wire):
+  # the link carries what the accounting predicts, plus TCP/IP headers and the coordinator's heartbeats.
   mesh = zerojax.make_mesh(2, 2, devices=jax.devices()[:4])
-  ex = executor(plans.zero3(param_dtype="float32"), mesh=mesh,
+  ex = executor(plans.zero3(param_dtype="bfloat16", compute_dtype="float32"), mesh=mesh,
                 cfg=GPTConfig(seq_len=16, d_model=32, num_heads=2, num_layers=1))
   predicted = analysis.step_report(ex, analysis.step_collectives(ex, (1, 8, 17)))["cross_node_bytes_per_node"]
   for link in out["links"]:

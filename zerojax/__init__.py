@@ -1,14 +1,14 @@
-"""zerojax: ZeRO-3, ZeRO++ and MiCS as plans of one sharded data-parallel executor."""
-from zerojax.executor import Executor, Model, StepMetrics, TrainState, check_elementwise
+"""zerojax: ZeRO-3, ZeRO++, MiCS, AMSP and Radius as plans of one sharded data-parallel executor."""
+from zerojax.executor import Executor, Model, RadiusState, StepMetrics, TrainState, check_elementwise
 from zerojax.layout import Layout, LeafLayout
 from zerojax.mesh import initialize_distributed, make_mesh
 from zerojax.models.linen import from_linen, linen_rngs
 from zerojax.models.nnx import from_nnx
-from zerojax.plan import PLANS, Plan, amsp, dp, mics, zero1, zero2, zero3, zeropp
+from zerojax.plan import PLANS, Plan, Radius, amsp, dp, mics, radius, zero1, zero2, zero3, zeropp
 from zerojax.unit import ShardedUnit, unit
 
 __all__ = [
-    "Executor", "Model", "StepMetrics", "TrainState", "check_elementwise", "Layout", "LeafLayout",
-    "initialize_distributed", "make_mesh", "PLANS", "Plan", "amsp", "dp", "mics", "zero1", "zero2", "zero3", "zeropp",
-    "ShardedUnit", "unit", "from_linen", "from_nnx", "linen_rngs",
+    "Executor", "Model", "RadiusState", "StepMetrics", "TrainState", "check_elementwise", "Layout", "LeafLayout",
+    "initialize_distributed", "make_mesh", "PLANS", "Plan", "Radius", "amsp", "dp", "mics", "radius", "zero1",
+    "zero2", "zero3", "zeropp", "ShardedUnit", "unit", "from_linen", "from_nnx", "linen_rngs",
 ]

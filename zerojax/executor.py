@@ -18,14 +18,21 @@ Each micro-batch gets an rng folded by step, micro-step and data-parallel rank; 
 collections (BatchNorm statistics) are carried through the micro-batches on each device and averaged
 over the devices at the end of the step, as data-parallel training with per-device statistics does.
 
+With `plan.replica_sync = radius(...)` step 2's all-reduce is Radius's (Algorithm 1): each step runs one
+of three compiled programs, picked on the host from the step and the last selection (`phase`):
+"dense" (the warm-up, the plan's own step), "select" (dense all-reduce of gradient + residual, then
+top-k of the optimizer's update per shard) or "sparse" (all-reduce of the k selected values only).
+
 References:
   ZeRO: Rajbhandari et al. 2020, §5. MiCS: Zhang et al. 2022, §3.3. AMSP: Chen et al. 2023, §3.
+  Radius: Zheng & Zhang, Algorithms 1–2.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -38,51 +45,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax import comm, layout as layout_lib, logical as logical_lib
 from zerojax import mesh as mesh_lib
 from zerojax.mesh import axis_sizes, group_size
+from zerojax.model import Model, _identity, call_loss  # noqa: F401  (re-exported)
 from zerojax.plan import Plan
 from zerojax.unit import ShardedUnit, UnitMeta
 
 
-class Model(NamedTuple):
-  """A model written as ZeRO units (`zerojax.from_linen` / `from_nnx` build one from a flax module).
 
-  Attributes:
-    init: `rng -> params`, a dict `{unit_name: pytree}` of logical parameters.
-    loss: `(params, batch) -> scalar` mean loss of a micro-batch; calls `zerojax.unit(f)(params[u], ...)`
-      for every unit `u`, and `lax.scan` over the scanned units. With `rng`, `(params, batch, rng)`; with
-      `init_state`, `(params, batch, rng, state) -> (out, state)`. `out` is the loss, or `(loss, aux)`
-      with `has_aux`. `rng` is None in `eval_fn`.
-    scanned: names of the units whose leaves have a leading layer axis.
-    has_aux: the loss returns `(loss, aux)`; aux (a pytree of arrays) is averaged over micro-batches and
-      devices into `StepMetrics.aux`.
-    rng: the loss takes a PRNG key per micro-batch.
-    init_state: `rng -> state`, the model's mutable collections (e.g. `{"batch_stats": ...}`).
-    to_user: `{unit_name: tree} -> the user's tree` (any leaves), e.g. flax's `params`; None: identity.
-    from_user: the inverse of `to_user`.
-    example_batch: `ShapeDtypeStruct`s of one micro-batch `[batch, ...]`, or None.
-  """
-  init: Callable[[jax.Array], dict]
-  loss: Callable[..., Any]
-  scanned: frozenset = frozenset()
-  has_aux: bool = False
-  rng: bool = False
-  init_state: Callable[[jax.Array], Any] | None = None
-  to_user: Callable[[dict], Any] | None = None
-  from_user: Callable[[Any], dict] | None = None
-  example_batch: Any = None
-
-
-def call_loss(model: Model, params: dict, batch, rng=None, state=None):
-  """`(loss, aux, state)` of one micro-batch, whichever of `Model.loss`'s signatures the model has."""
-  if model.init_state is not None:
-    out, state = model.loss(params, batch, rng, state)
-  else:
-    out = model.loss(params, batch, rng) if model.rng else model.loss(params, batch)
-  loss, aux = out if model.has_aux else (out, None)
-  return loss, aux, state
-
-
-def _identity(tree):
-  return tree
+@flax.struct.dataclass
+class RadiusState:
+  """Radius's state (Algorithm 1): what a replica has not sent, and the window's selection."""
+  residual: Any          # per leaf [replicas, (layers,) padded]: each replica's unsent gradient (mean units),
+                         # sharded over the replica axes and, like the master weights, over A_os
+  indices: Any           # per leaf [(layers,) shards * k] int32: each A_os shard's k positions, ascending
+  selected_at: jax.Array  # step of the last selection; -1 before the first
 
 
 @flax.struct.dataclass
@@ -93,6 +68,7 @@ class TrainState:
   skipped: jax.Array     # steps skipped for non-finite loss or gradients (total)
   rng: Any = None        # uint32 key data of the run's rng (models with `Model.rng`), replicated
   mutable: Any = None    # the model's mutable collections (`Model.init_state`), replicated
+  radius: RadiusState | None = None  # with plan.replica_sync = radius(...)
 
 
 class StepMetrics(NamedTuple):
@@ -145,6 +121,10 @@ class Executor:
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
     self._checked = False
+    self.replicas = plan.replica_axes(mesh)
+    if plan.replica_sync is not None:  # Radius: k per A_os shard of every leaf (per layer)
+      shards = group_size(mesh, plan.opt_order)
+      self.radius_k = tuple(plan.replica_sync.shard_k(l.padded // shards) for l in self.layout.leaves)
 
   # -- state -----------------------------------------------------------------------------------------
   def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
@@ -155,9 +135,17 @@ class Executor:
     by_ndim = {1: NamedSharding(self.mesh, P(self.plan.opt_order or None)),
                2: NamedSharding(self.mesh, P(None, self.plan.opt_order or None))}
     opt = jax.tree.map(lambda x: rep if x.ndim == 0 else by_ndim[x.ndim], state_shapes.opt_state)
+    radius = None
+    if self.plan.replica_sync is not None:
+      radius = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._radius_specs())
     return TrainState(step=rep, params=params, opt_state=opt, skipped=rep,
                       rng=jax.tree.map(lambda _: rep, state_shapes.rng),
-                      mutable=jax.tree.map(lambda _: rep, state_shapes.mutable))
+                      mutable=jax.tree.map(lambda _: rep, state_shapes.mutable), radius=radius)
+
+  def _radius_specs(self) -> RadiusState:
+    """PartitionSpecs of the Radius state: the residual has a leading replica axis."""
+    res = jax.tree.map(lambda s: P(self.replicas, *s), self.param_specs, is_leaf=lambda s: isinstance(s, P))
+    return RadiusState(residual=res, indices=self.param_specs, selected_at=P())
 
   def _flat_shapes(self):
     return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), self.layout.tree(),
@@ -170,9 +158,18 @@ class Executor:
       rng = jax.random.key_data(jax.random.fold_in(key if rng is None else rng, 1))
     if model.init_state is not None and mutable is None:
       mutable = model.init_state(key)
+    radius = None
+    if self.plan.replica_sync is not None:
+      reps, shards = group_size(self.mesh, self.replicas), group_size(self.mesh, self.plan.opt_order)
+      leaves, treedef = jax.tree.flatten(flat)
+      radius = RadiusState(
+          residual=jax.tree.map(lambda x: jnp.zeros((reps,) + x.shape, jnp.float32), flat),
+          indices=treedef.unflatten([jnp.tile(jnp.arange(k, dtype=jnp.int32), x.shape[:-1] + (shards,))
+                                     for x, k in zip(leaves, self.radius_k)]),
+          selected_at=jnp.full((), -1, jnp.int32))
     return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=self.optimizer.init(flat),
                       skipped=jnp.zeros((), jnp.int32), rng=rng if model.rng else None,
-                      mutable=mutable if model.init_state is not None else None)
+                      mutable=mutable if model.init_state is not None else None, radius=radius)
 
   def init(self, rng: jax.Array) -> TrainState:
     """Initialises the model and optimizer directly into the plan's sharded layout.
@@ -210,8 +207,9 @@ class Executor:
     return self.to_user(layout_lib.to_logical(state.params, self.layout))
 
   def logical_variables(self, state: TrainState) -> dict:
-    """`{"params": logical_params(state), **mutable collections}`: what flax's `apply` takes."""
-    return {"params": self.logical_params(state), **(state.mutable or {})}
+    """`{"params": logical_params(state), **mutable collections}`: what flax's `apply` takes (copies, so
+    they outlive the state, which the step donates)."""
+    return {"params": self.logical_params(state), **jax.tree.map(jnp.copy, state.mutable or {})}
 
   def user_layout(self):
     """The `LeafLayout`s in the user's tree (what the optimizer and its states are named by)."""
@@ -231,9 +229,11 @@ class Executor:
     return jax.tree.map(lambda m: comm.all_gather_raw(cast(m), to_p, axis=m.ndim - 1, tiled=True),
                         master)
 
-  def _local_grads(self, master, batch, step=None, rng=None, mutable=None):
+  def _local_grads(self, master, batch, step=None, rng=None, mutable=None, residual=None, indices=None,
+                   phase="dense"):
     """shard_map body: master shard (over A_os), local batch, the step, the run's rng and the mutable
-    collections -> reduced gradient shard, mean loss, mean aux, device-averaged mutable collections."""
+    collections -> reduced gradient shard, mean loss, mean aux, device-averaged mutable collections;
+    Radius's phases also take and return the residual (and the sparse one the window's indices)."""
     plan, model = self.plan, self.model
     p_shards = self._param_shards(master)
     k_g = group_size(self.mesh, plan.grad_axes)
@@ -261,7 +261,7 @@ class Executor:
     to_os = plan.opt_order[len(plan.grad_order):]
     replicas = plan.replica_axes(self.mesh)
     index = jnp.arange(self.accum_steps)
-    if plan.sync_in_backward and replicas and not to_os:
+    if plan.sync_in_backward and replicas and not to_os and phase == "dense":
       # MiCS §3.4 with the boundary all-reduce overlapped: the window's last micro-step all-reduces each
       # unit's gradient (plus what the window accumulated) inside its backward, so layer i's all-reduce
       # runs while layer i-1's backward computes. The sums are the same as after the window.
@@ -281,14 +281,39 @@ class Executor:
       (acc, mutable), (losses, aux) = lax.scan(micro, (zeros_g, mutable), (batch, index))
       if to_os:
         acc = jax.tree.map(lambda g: lax.psum_scatter(g, to_os, scatter_dimension=g.ndim - 1, tiled=True), acc)
-      if replicas:
+      if replicas and phase == "dense":
         acc = jax.tree.map(lambda g: lax.psum(g, replicas), acc)
-    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
-    acc = jax.tree.map(lambda g: g / (self.world * self.accum_steps), acc)
     loss = lax.pmean(jnp.mean(losses), self.data_axes)
     aux = jax.tree.map(lambda a: lax.pmean(jnp.mean(_inexact(a), axis=0), self.data_axes), aux)
     mutable = jax.tree.map(lambda m: lax.pmean(m, self.data_axes) if _is_inexact(m) else m, mutable)
-    return acc, loss, aux, mutable
+    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
+    denom = self.world * self.accum_steps
+    if phase == "dense":
+      return jax.tree.map(lambda g: g / denom, acc), loss, aux, mutable
+    grads, treedef = jax.tree.flatten(acc)
+    res = [r[0] for r in jax.tree.leaves(residual)]  # this replica's row
+    if phase == "select":  # Radius Algorithm 1 lines 8–11
+      grads, res = comm.radius.dense_all_reduce(grads, res, replicas, denom)
+    else:                  # lines 13–17
+      grads, res = comm.radius.sparse_all_reduce(grads, res, jax.tree.leaves(indices), replicas, denom)
+    return treedef.unflatten(grads), loss, aux, mutable, treedef.unflatten([r[None] for r in res])
+
+  def _select(self, updates):
+    """shard_map body, Radius Algorithm 1 line 23: each shard's top-k positions of |update|."""
+    leaves, treedef = jax.tree.flatten(updates)
+    owner = mesh_lib.owner_index(self.plan.opt_order) if self.plan.opt_order else 0
+    return treedef.unflatten([comm.radius.select(u, k, owner * u.shape[-1], lay.size)
+                              for u, k, lay in zip(leaves, self.radius_k, self.layout.leaves)])
+
+  def phase(self, state: TrainState) -> str:
+    """The program a step of `state` runs: "dense", or with Radius "select" / "sparse" (Algorithm 1:
+    dense before `dense_steps`, then a select step when `period` steps have passed since the last one
+    (or none was made, e.g. after restoring a dense checkpoint), else sparse). Reads two scalars."""
+    r = self.plan.replica_sync
+    if r is None or int(state.step) < r.dense_steps:
+      return "dense"
+    at = int(state.radius.selected_at)
+    return "select" if at < 0 or int(state.step) - at >= r.period else "sparse"
 
   @staticmethod
   def _check_single_calls(units: dict) -> None:
@@ -298,37 +323,62 @@ class Executor:
                          "all-reduce inside the backward (Plan.sync_in_backward) needs one call per unit: "
                          "set sync_in_backward=False in the plan, or make each call its own unit")
 
-  def _train_step(self, state: TrainState, batch):
-    grads, loss, aux, mutable = jax.shard_map(
-        self._local_grads, mesh=self.mesh,
-        in_specs=(self.param_specs, P(None, self.data_axes), P(), P(), P()),
-        out_specs=(self.param_specs, P(), P(), P()), check_vma=False)(
-            state.params, batch, state.step, state.rng, state.mutable)
+  def _train_step(self, state: TrainState, batch, phase: str = "dense"):
+    data = P(None, self.data_axes)
+    radius = state.radius
+    args = (state.params, batch, state.step, state.rng, state.mutable)
+    specs_in = (self.param_specs, data, P(), P(), P())
+    if phase == "dense":
+      grads, loss, aux, mutable = jax.shard_map(
+          self._local_grads, mesh=self.mesh, in_specs=specs_in,
+          out_specs=(self.param_specs, P(), P(), P()), check_vma=False)(*args)
+    else:
+      specs = self._radius_specs()
+      grads, loss, aux, mutable, residual = jax.shard_map(
+          functools.partial(self._local_grads, phase=phase), mesh=self.mesh,
+          in_specs=specs_in + (specs.residual, specs.indices),
+          out_specs=(self.param_specs, P(), P(), P(), specs.residual), check_vma=False)(
+              *args, radius.residual, radius.indices)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    if phase == "select":  # the update is -lr x Algorithm 2's corrected gradient: rank its magnitude
+      indices = jax.shard_map(self._select, mesh=self.mesh, in_specs=(self.param_specs,),
+                              out_specs=self.param_specs, check_vma=False)(updates)
+      radius = keep(RadiusState(residual, indices, state.step), radius)
+    elif phase == "sparse":
+      radius = radius.replace(residual=keep(residual, radius.residual))
     new = TrainState(step=state.step + 1, params=keep(params, state.params),
                      opt_state=keep(opt_state, state.opt_state),
                      skipped=state.skipped + (~finite).astype(jnp.int32), rng=state.rng,
-                     mutable=keep(mutable, state.mutable))
+                     mutable=keep(mutable, state.mutable), radius=radius)
     return new, StepMetrics(loss, grad_norm, finite, aux)
 
   def step_fn(self, state_shardings: TrainState | None = None):
     """The jitted `(state, batch) -> (state, StepMetrics)`; donates state.
 
     `batch` is a pytree (numpy or jax arrays) whose leaves lead with `[accum, global_batch, ...]`, or
-    with `[global_batch, ...]` when `accum_steps == 1`; see `shard_batch`.
+    with `[global_batch, ...]` when `accum_steps == 1`; see `shard_batch`. With Radius the step runs the
+    program of `phase(state)`, each compiled on first use; `step.lower(state, batch, phase=None)` lowers
+    one (default: "sparse" with Radius, else "dense").
     """
     if self._step is None:
       sh = state_shardings or self.shardings()
-      jitted = jax.jit(self._train_step, in_shardings=(sh, self.batch_sharding),
-                       out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0)
+      programs = {}
+
+      def program(phase):
+        if phase not in programs:
+          programs[phase] = jax.jit(functools.partial(self._train_step, phase=phase),
+                                    in_shardings=(sh, self.batch_sharding),
+                                    out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0)
+        return programs[phase]
 
       def step(state, batch):
-        return jitted(state, self.shard_batch(batch))
-      step.lower = jitted.lower
+        return program(self.phase(state))(state, self.shard_batch(batch))
+      default = "dense" if self.plan.replica_sync is None else "sparse"
+      step.lower = lambda state, batch, phase=None: program(phase or default).lower(state, batch)
       self._step = step
     return self._step
 

@@ -1,4 +1,5 @@
-"""Per-device bytes of model state under a plan: P/s_p + G/s_g + OS/s_os (ZeRO §5, AMSP §3.2).
+"""Per-device bytes of model state under a plan: P/s_p + G/s_g + OS/s_os (ZeRO §5, AMSP §3.2), plus
+Radius's residual and indices (Radius §5).
 
 `expected` follows from the plan and the padded layout alone; `measured` reads the shards of a live
 train state (master weights and optimizer states) on one device, so the two can be checked against
@@ -41,11 +42,16 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
   # hpZ (ZeRO++ §3.2) keeps every unit's secondary shard from its forward to its backward.
   expected["hpz_secondary"] = (layout_lib.bytes_of(ex.layout, plan.param_dtype) // s(plan.secondary_axes)
                                if plan.secondary_axes else 0)
-  expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer", "hpz_secondary"))
+  # Radius keeps each replica's residual (fp32, sharded like the master weights) and its shard's indices.
+  expected["radius"] = 0 if plan.replica_sync is None else numel * 4 // s(plan.opt_axes) + 4 * sum(
+      k * (l.layers or 1) for k, l in zip(ex.radius_k, ex.layout.leaves))
+  expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer", "hpz_secondary", "radius"))
   report = {"plan": plan.name, "expected": expected}
   if state is not None:
     dev = ex.mesh.devices.flat[0]
     on_dev = lambda tree: sum(sh.data.nbytes for x in jax.tree.leaves(tree) if x.ndim
                               for sh in x.addressable_shards if sh.device == dev)
     report["measured"] = {"master": on_dev(state.params), "optimizer": on_dev(state.opt_state)}
+    if state.radius is not None:
+      report["measured"]["radius"] = on_dev(state.radius)
   return report

@@ -12,10 +12,14 @@ value driving one executor (`zerojax.executor`):
 | MiCS    | group of k   | group of k   | group of k            | all-reduce over replicas|
 | ZeRO++  | (node, gpu)  | (node, gpu)  | (node, gpu)           | - ; int8 gather, hpZ, qgZ|
 
+Any plan with replica axes may sparsify its replica all-reduce with Radius (`replica_sync=radius(...)`).
+
 References:
   ZeRO: Rajbhandari et al. 2020, §5 (stages 1-3).
   MiCS: Zhang et al. 2022, §3.1 (partition groups), §3.3 (2-hop gradient synchronisation).
   ZeRO++: Wang et al. 2023, §3.1 (qwZ), §3.2 (hpZ), §3.3 (qgZ).
+  Radius: Zheng & Zhang, §4.1 and Algorithm 1 (periodic top-k replica sync), §4.2 and Algorithm 2
+    (selection on the AdamW-corrected update), §4.3 (residual).
 """
 from __future__ import annotations
 
@@ -38,6 +42,48 @@ def _axes(axes: Sequence[str] | str | int) -> Axes:
       raise ValueError(f"a group of {axes} devices: use a positive group size")
     return axes
   return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Radius:
+  """Radius's sparse replica sync (Radius §4, Algorithms 1–2), the value of `Plan.replica_sync`.
+
+  Steps `0 .. dense_steps - 1` all-reduce densely, exactly like the plan without Radius. From then on,
+  every `period` steps a *select* step all-reduces gradient + residual densely, zeroes the residual and
+  picks the k largest |optimizer update| (for AdamW lr·|m̂/(√v̂+ε) + λw|, Algorithm 2) in each device's
+  shard of every leaf; the steps in between all-reduce only the k selected values and add the rest of
+  the local gradient to the residual. Every replica selects from the same values, so the indices agree
+  with no communication. k = ⌈density · c⌉ for a shard of c elements of a leaf (per layer). The ranking
+  is the update's magnitude, so a select step whose learning rate is 0 (a warm-up from 0) ranks only
+  ties and keeps the lowest positions: switch after it (`dense_steps` >= 1).
+
+  Attributes:
+    density: fraction of the gradient sent on sparse steps, in (0, 1] (the paper's d; 0.4 by default).
+    period: steps per selection window (the paper's T, 200).
+    dense_steps: steps trained densely before the first selection (the paper's threshold; it
+      switches after 15–20% of training).
+  """
+  density: float = 0.4
+  period: int = 200
+  dense_steps: int = 0
+
+  def __post_init__(self):
+    if not 0 < self.density <= 1:
+      raise ValueError(f"radius density={self.density} is outside (0, 1]; use the fraction of the gradient "
+                       "to send, e.g. 0.4")
+    if int(self.period) != self.period or self.period < 1:
+      raise ValueError(f"radius period={self.period} must be a whole number of steps >= 1 (the paper uses 200)")
+    if int(self.dense_steps) != self.dense_steps or self.dense_steps < 0:
+      raise ValueError(f"radius dense_steps={self.dense_steps} must be a whole number of steps >= 0")
+
+  def shard_k(self, chunk: int) -> int:
+    """Selected elements of a shard of `chunk` elements: ⌈density · chunk⌉ (at least 1)."""
+    return max(1, math.ceil(round(self.density * chunk, 6)))
+
+
+def radius(density: float = 0.4, period: int = 200, dense_steps: int = 0) -> Radius:
+  """Radius's replica sync (see `Radius`): `mics(replica_sync=radius(density=0.1))`."""
+  return Radius(density=density, period=period, dense_steps=dense_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +129,9 @@ class Plan:
     grad_block: elements per qgZ quantization block; 0 = one scale per slab (non-blocked).
     qgz_stages: qgZ pipeline stages (ZeRO++ §4.1.2, Algorithm 2); results do not depend on it.
     kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
+    replica_sync: how gradients are all-reduced over the replica axes: None, densely; `radius(...)`,
+      Radius's periodic top-k with a residual (`Radius`). Radius syncs after the accumulation window
+      (select and sparse steps do not use `sync_in_backward`; its dense warm-up steps do).
   """
   name: str = "zero3"
   param_axes: Axes = AXES
@@ -101,8 +150,12 @@ class Plan:
   grad_block: int = 256
   qgz_stages: int = 1
   kernel_backend: str | None = None
+  replica_sync: Radius | None = None
 
   def __post_init__(self):
+    if self.replica_sync is not None and not isinstance(self.replica_sync, Radius):
+      raise ValueError(f"plan {self.name!r}: replica_sync={self.replica_sync!r}; use None (dense all-reduce) "
+                       "or radius(density=..., period=..., dense_steps=...)")
     for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes"):
       if getattr(self, f) is not None:
         object.__setattr__(self, f, _axes(getattr(self, f)))
@@ -217,6 +270,10 @@ class Plan:
           raise ValueError(f"plan {self.name!r}: {f} names axis {a!r}, but the mesh has axes "
                            f"{tuple(mesh.axis_names)}")
     self._check_nesting()
+    if self.replica_sync is not None and not self.replica_axes(mesh):
+      raise ValueError(f"plan {self.name!r}: replica_sync=radius(...) sparsifies the replica all-reduce, but "
+                       f"the optimizer states are sharded over every device of the mesh {mesh_lib.axis_sizes(mesh)} "
+                       "(no replicas); use it with dp, mics or a plan whose opt_axes leave replicas, or drop it")
     if self.secondary_axes is not None and not set(self.secondary_axes) <= set(self.param_axes):
       raise ValueError(f"plan {self.name!r}: the hpZ secondary group {self.secondary_axes} must lie inside the "
                        f"parameter group {self.param_axes}; use a smaller secondary group")

@@ -17,7 +17,7 @@ from zerojax.analysis.wire_model import summarize
 TABLE1_ROLES = ("forward all-gather", "backward all-gather", "gradient reduction")
 
 
-def step_hlo(executor, batch_shape: tuple[int, int, int] | None = None) -> str:
+def step_hlo(executor, batch_shape: tuple[int, int, int] | None = None, phase: str | None = None) -> str:
   """Lowers and compiles `executor.step_fn()` for abstract inputs; returns the optimized HLO text.
 
   Args:
@@ -25,6 +25,7 @@ def step_hlo(executor, batch_shape: tuple[int, int, int] | None = None) -> str:
     batch_shape: `[accum_steps, global_batch, seq_len + 1]`; default one 1-token sequence per device.
       The collectives of a data-parallel step do not depend on it; pass the real shape to compile
       exactly the program that trains.
+    phase: with Radius, which step's program: "dense", "select" or "sparse" (None: "sparse").
   """
   state = jax.eval_shape(executor.init, jax.random.key(0))
   state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
@@ -32,7 +33,7 @@ def step_hlo(executor, batch_shape: tuple[int, int, int] | None = None) -> str:
   batch_shape = tuple(batch_shape or (executor.accum_steps, executor.world, 2))
   executor.check_batch(batch_shape)
   batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=executor.batch_sharding)
-  return executor.step_fn().lower(state, batch).compile().as_text()
+  return executor.step_fn().lower(state, batch, phase=phase).compile().as_text()
 
 
 def step_collectives(executor, batch_shape: tuple[int, int, int] | None = None, *,
@@ -107,7 +108,8 @@ def render_table(report: dict) -> str:
   m = report["model_bytes"]
   by_role = report["summary"]["by_role"]
   cfg = report.get("config", {})
-  head = (f"plan {cfg.get('plan', '?')}  mesh {report['nodes']} nodes x {report['gpus_per_node']} gpus  "
+  step = f" ({cfg['phase']} step)" if cfg.get("phase", "dense") != "dense" else ""
+  head = (f"plan {cfg.get('plan', '?')}{step}  mesh {report['nodes']} nodes x {report['gpus_per_node']} gpus  "
           f"M = {report['model_parameters']:,} params x 2 B = {m / 1e6:.2f} MB")
   rows = [("role", "per step", "intra-node MB/dev", "cross-node MB/node", "cross-node /M", "collectives")]
   roles = list(TABLE1_ROLES) + [r for r in by_role if r not in TABLE1_ROLES]

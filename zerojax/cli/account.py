@@ -51,6 +51,8 @@ def main(argv=None) -> None:
   parser.add_argument("--model_bytes", type=float, default=None, help="model size M in bytes (--hlo)")
   parser.add_argument("--json", action="store_true", help="print JSON with every collective instead of the table")
   parser.add_argument("--dump_hlo", default=None, help="also write the compiled step's HLO here (--gin_file)")
+  parser.add_argument("--phase", choices=("dense", "select", "sparse"), default=None,
+                      help="with Radius (replica_sync=@radius()): the step to account for (default sparse)")
   args = parser.parse_args(argv)
   if args.hlo and args.mesh is None:
     parser.error("--hlo needs --mesh NODESxGPUS, e.g. --mesh 2x4")
@@ -79,11 +81,14 @@ def main(argv=None) -> None:
     if ex.mesh.size != nodes * gpus:
       raise SystemExit(f"error: the mesh is {dict(ex.mesh.shape)}, not {nodes}x{gpus}; run with exactly "
                        f"{nodes * gpus} devices")
-    text = step_hlo(ex, (ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1))
+    if args.phase and ex.plan.replica_sync is None and args.phase != "dense":
+      raise SystemExit(f"error: --phase {args.phase} needs a plan with replica_sync=@radius()")
+    phase = args.phase or ("sparse" if ex.plan.replica_sync is not None else "dense")
+    text = step_hlo(ex, (ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1), phase=phase)
     if args.dump_hlo:
       with open(args.dump_hlo, "w") as f:
         f.write(text)
-    out = {"config": {"gin_files": args.gin_file, "gin_params": args.gin_param, "plan": ex.plan.name,
+    out = {"config": {"gin_files": args.gin_file, "gin_params": args.gin_param, "plan": ex.plan.name, "phase": phase,
                       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "param_dtype": ex.plan.param_dtype,
                       "reduce_dtype": ex.plan.reduce_dtype, "accum_steps": ex.accum_steps,
                       "batch_size": train_args["batch_size"], "seq_len": cfg.seq_len}}

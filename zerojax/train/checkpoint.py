@@ -140,10 +140,10 @@ class Checkpointer:
     check_compatible(spec, saved, where)
     try:
       tree = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(spec.abstract()))).state
+          state=ocp.args.StandardRestore(spec.abstract(saved)))).state
     except Exception as e:
       raise self._broken(where, e) from e
-    state = spec.from_logical(tree)
+    state = spec.from_logical(spec.complete(dict(tree)))
     if int(state.step) != step:
       raise CheckpointError(f"checkpoint {where} holds step {int(state.step)}, not {step}; the folder "
                             "was renamed or mixed up with another")

@@ -10,12 +10,21 @@ any of them: orbax reads each array straight into the target's shardings (every 
 what its devices hold), then the target executor's layout flattens, pads and shards it. State that an
 executor derives from the master weights is never stored.
 
+Radius's state (`plan.replica_sync = radius(...)`) is stored the same way: the residual as
+`[replicas, *logical shape]` (one row per replica: each keeps what it has not sent), the window's
+indices as a bool mask in the leaf's logical shape, and the step of the last selection. The same
+plan on the same mesh resumes bitwise; another mesh or plan gets the residual summed onto its first
+replica when the replica counts differ (only the sum enters the next select step) and the mask re-tiled
+to its shards (`comm.radius.mask_to_indices`); a checkpoint without Radius state starts with an empty
+residual and selects on its first step.
+
 The conversion to the logical layout is a jitted function whose outputs stay sharded over the devices
 (no gather to one host), so every process writes only its own shards. Saving is asynchronous: the
 training loop is blocked only while the logical copy is made and handed to host memory; the writes run
 in the background and are atomic (a step folder appears only once complete). One checkpoint folder:
 
-  DIR/<step>/state/   the logical arrays: {"params", "opt_state", "step", "skipped"[, "rng", "mutable"]}
+  DIR/<step>/state/   the logical arrays: {"params", "opt_state", "step", "skipped"[, "rng", "mutable",
+                      "radius"]}
   DIR/<step>/meta/    JSON: format, step, plan, mesh and process count at save time, seed
 
 References:
@@ -32,12 +41,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import layout as layout_lib
+from zerojax import comm, layout as layout_lib
 from zerojax.mesh import group_size
 
 FORMAT = 1
 SEP = "/"
-STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable")  # TrainState fields that are state
+STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable", "radius")  # TrainState fields that are state
 
 
 class CheckpointError(ValueError):
@@ -76,6 +85,27 @@ class _Leaf(NamedTuple):
   shape: tuple[int, ...]                  # stored (logical) shape
   dtype: Any
   sharding: NamedSharding                 # of the logical array on the executor's mesh
+  kind: str = "flat"                      # "flat", "scalar", Radius's "residual" or "mask" (its indices)
+  k: int = 0                              # a mask's selected elements per shard
+
+
+class _Radius(NamedTuple):
+  """How Radius's leaves convert: replicas of the residual, A_os shards of a leaf, the mesh axes."""
+  replicas: int
+  shards: int
+  replica_axes: tuple[str, ...]
+
+  def to_logical(self, x, leaf: _Leaf):
+    if leaf.kind == "residual":
+      return jax.vmap(lambda r: layout_lib.unflatten_leaf(r, leaf.layout))(x)
+    mask = comm.radius.indices_to_mask(x, leaf.layout.padded // self.shards, self.shards)
+    return layout_lib.unflatten_leaf(mask, leaf.layout)
+
+  def from_logical(self, x, leaf: _Leaf):
+    if leaf.kind == "residual":
+      x = comm.radius.fold_residual(x, self.replicas)
+      return jax.vmap(lambda r: layout_lib.flatten_leaf(r, leaf.layout))(x)
+    return comm.radius.mask_to_indices(layout_lib.flatten_leaf(x, leaf.layout), leaf.k, self.shards, leaf.layout.size)
 
 
 class _Spec:
@@ -94,10 +124,24 @@ class _Spec:
       raise CheckpointError(f"TrainState has fields {fields} but checkpoints store {STORED}: add a new field "
                             "to checkpoint.STORED if it is state, or rebuild it after `restore` if derived")
     leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    axes = executor.plan.opt_order
+    axes, mesh = executor.plan.opt_order, executor.mesh
+    self.radius = None
+    if executor.plan.replica_sync is not None:
+      self.radius = _Radius(group_size(mesh, executor.replicas), group_size(mesh, axes), executor.replicas)
+      ks = {path_names(p): k for (p, _), k in zip(params, executor.radius_k)}
     self.leaves = []
     for path, x in leaves:
       names = path_names(path)
+      if names[0] == "radius" and x.ndim:
+        lay = by_path[names[2:]]
+        if names[1] == "residual":
+          shape = (self.radius.replicas,) + lay.logical_shape
+          self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), self._residual_sharding(mesh, axes, shape),
+                                   kind="residual"))
+        else:
+          self.leaves.append(_Leaf(names, lay, lay.logical_shape, np.dtype(bool),
+                                   _logical_sharding(mesh, axes, lay.logical_shape), kind="mask", k=ks[names[2:]]))
+        continue
       if names[0] == "params":
         lay = by_path[names[1:]]
       elif names[0] != "opt_state" or x.ndim == 0:
@@ -105,7 +149,8 @@ class _Spec:
       else:
         lay = self._owner(names, tuple(x.shape), params)
       shape = lay.logical_shape if lay else tuple(x.shape)
-      self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), _logical_sharding(executor.mesh, axes, shape)))
+      self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), _logical_sharding(mesh, axes, shape),
+                               kind="flat" if lay else "scalar"))
     seen = {}
     for leaf in self.leaves:
       key = SEP.join(leaf.names)
@@ -113,6 +158,25 @@ class _Spec:
         raise CheckpointError(f"train-state leaves {seen[key]} and {leaf.names} both store as {key!r}; "
                               "give the optimizer state or the params distinct names")
       seen[key] = leaf.names
+
+  def _residual_sharding(self, mesh, axes, shape) -> NamedSharding:
+    """Rows over the replica axes, the logical leaf like the master weights."""
+    rest = _logical_sharding(mesh, axes, shape[1:]).spec
+    return NamedSharding(mesh, P(self.radius.replica_axes or None, *rest, *[None] * (len(shape) - 1 - len(rest))))
+
+  def convert(self, x, leaf: _Leaf, to_logical: bool):
+    """One stored leaf to its logical form (`to_logical`) or back into the executor's layout."""
+    if leaf.kind == "scalar":
+      return x
+    if leaf.kind == "flat":
+      return layout_lib.unflatten_leaf(x, leaf.layout) if to_logical else layout_lib.flatten_leaf(x, leaf.layout)
+    return self.radius.to_logical(x, leaf) if to_logical else self.radius.from_logical(x, leaf)
+
+  def fresh(self, leaf: _Leaf):
+    """A Radius leaf a checkpoint without Radius lacks: empty residual and mask, no selection yet."""
+    if leaf.kind == "scalar":
+      return np.full(leaf.shape, -1, leaf.dtype)
+    return np.zeros(leaf.shape, leaf.dtype)
 
   @staticmethod
   def _owner(names, shape, params):
@@ -149,8 +213,38 @@ class _Spec:
   def expected(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     return {SEP.join(l.names): (l.shape, l.dtype) for l in self.leaves}
 
-  def abstract(self) -> dict:
-    return self.nest([jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=l.sharding) for l in self.leaves])
+  def abstract(self, saved: dict | None = None) -> dict:
+    """The restore target of the stored leaves in `saved` (default all); a residual saved with another
+    number of replicas is read in its saved shape."""
+    out = []
+    for l in self.leaves:
+      key = SEP.join(l.names)
+      if saved is not None and key not in saved:
+        continue
+      if l.kind == "residual" and saved is not None and tuple(saved[key][0]) != l.shape:
+        shape = tuple(saved[key][0])
+        out.append((l.names, jax.ShapeDtypeStruct(shape, l.dtype, sharding=_logical_sharding(
+            l.sharding.mesh, tuple(a for a in l.sharding.mesh.axis_names if a not in self.radius.replica_axes),
+            shape))))
+      else:
+        out.append((l.names, jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=l.sharding)))
+    tree = {}
+    for names, v in out:
+      d = tree
+      for n in names[:-1]:
+        d = d.setdefault(n, {})
+      d[names[-1]] = v
+    return tree
+
+  def complete(self, tree: dict) -> dict:
+    """`tree` with the Radius leaves it lacks (a checkpoint saved without Radius) made fresh."""
+    values = []
+    for l in self.leaves:
+      d = tree
+      for n in l.names:
+        d = d.get(n) if isinstance(d, dict) else None
+      values.append(self.fresh(l) if d is None else d)
+    return self.nest(values)
 
 
 _SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -160,13 +254,11 @@ def state_spec_of(executor) -> _Spec:
   if executor not in _SPECS:
     spec = _Spec(executor)
     spec.to_logical = jax.jit(
-        lambda state: spec.nest([layout_lib.unflatten_leaf(x, l.layout) if l.layout else x
-                                 for x, l in zip(jax.tree.leaves(state), spec.leaves)]),
+        lambda state: spec.nest([spec.convert(x, l, True) for x, l in zip(jax.tree.leaves(state), spec.leaves)]),
         out_shardings=spec.nest([l.sharding for l in spec.leaves]))
     spec.from_logical = jax.jit(
         lambda tree: jax.tree.unflatten(spec.treedef, [
-            layout_lib.flatten_leaf(x, l.layout) if l.layout else x
-            for x, l in zip(spec.unnest(tree), spec.leaves)]),
+            spec.convert(x, l, False) for x, l in zip(spec.unnest(tree), spec.leaves)]),
         out_shardings=spec.shardings)
     _SPECS[executor] = spec
   return _SPECS[executor]
@@ -186,8 +278,22 @@ def state_from_logical(executor, tree: dict):
 
 
 def check_compatible(spec: _Spec, saved: dict, where: str) -> None:
-  """Raises a `CheckpointError` naming the stored leaves that do not match the target run."""
+  """Raises a `CheckpointError` naming the stored leaves that do not match the target run.
+
+  Radius's leaves may be absent (a checkpoint without Radius: they start fresh) and its residual may
+  have another number of replicas (it is folded); Radius leaves this run has no use for are an error.
+  """
   want = spec.expected()
+  extra = sorted(k for k in set(saved) - set(want) if k.startswith("radius" + SEP))
+  if extra and not any(k.startswith("radius" + SEP) for k in want):
+    raise CheckpointError(f"checkpoint {where} holds Radius's residual and indices ({extra[0]}, ...), but this "
+                          "plan has replica_sync=None and would drop the unsent gradient; restore with the "
+                          "plan's replica_sync=radius(...): its next select step sends the residual")
+  flexible = {SEP.join(l.names) for l in spec.leaves if l.kind == "residual"}
+  for k in flexible & set(saved):
+    if tuple(saved[k][0][1:]) == tuple(want[k][0][1:]):
+      saved = {**saved, k: (want[k][0], saved[k][1])}
+  saved = {**{k: want[k] for k in want if k.startswith("radius" + SEP) and k not in saved}, **saved}
   fmt = lambda sd: f"shape {tuple(sd[0])} {np.dtype(sd[1])}"
   order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params"), k))  # params first
   groups = [
