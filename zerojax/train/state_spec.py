@@ -193,13 +193,7 @@ class _Spec:
     return match[0]
 
   def nest(self, values) -> dict:
-    out = {}
-    for leaf, v in zip(self.leaves, values):
-      d = out
-      for n in leaf.names[:-1]:
-        d = d.setdefault(n, {})
-      d[leaf.names[-1]] = v
-    return out
+    return _nested((leaf.names, v) for leaf, v in zip(self.leaves, values))
 
   def unnest(self, tree: dict) -> list:
     out = []
@@ -228,13 +222,7 @@ class _Spec:
             shape))))
       else:
         out.append((l.names, jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=l.sharding)))
-    tree = {}
-    for names, v in out:
-      d = tree
-      for n in names[:-1]:
-        d = d.setdefault(n, {})
-      d[names[-1]] = v
-    return tree
+    return _nested(out)
 
   def complete(self, tree: dict) -> dict:
     """`tree` with the Radius leaves it lacks (a checkpoint saved without Radius) made fresh."""
@@ -245,6 +233,17 @@ class _Spec:
         d = d.get(n) if isinstance(d, dict) else None
       values.append(self.fresh(l) if d is None else d)
     return self.nest(values)
+
+
+def _nested(pairs) -> dict:
+  """`{a: {b: value}}` from `((a, b), value)` pairs."""
+  out = {}
+  for names, v in pairs:
+    d = out
+    for n in names[:-1]:
+      d = d.setdefault(n, {})
+    d[names[-1]] = v
+  return out
 
 
 _SPECS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
