@@ -40,8 +40,8 @@ def executor(model, plan, mesh, opt=None, **kw):
   return zerojax.Executor(model, opt or helpers.capture_grads(), plan, mesh, **kw)
 
 
-def run_reference(model, apply_fn, mesh, batch):
-  ex = executor(model, "dp", mesh)
+def run_reference(model, apply_fn, mesh, batch, **kw):
+  ex = executor(model, "dp", mesh, **kw)
   state = ex.init(jax.random.key(0))
   v0 = fm.copy(ex.logical_variables(state))
   key = jax.random.wrap_key_data(jnp.array(state.rng))
@@ -63,12 +63,12 @@ def nnx_model(mesh):
   return model, batch, *run_reference(model, apply_fn, mesh, batch)
 
 
-def check_step(model, batch, v0, ref, plan, mesh):
+def check_step(model, batch, v0, ref, plan, mesh, **kw):
   """One step under `plan` against the reference: the whole gradient's relative L2 error, every leaf's
   largest error relative to the largest gradient element (biases before BatchNorm have gradients that
   are zero up to rounding), loss, aux and statistics."""
   grad, loss, aux, stats = ref
-  ex = executor(model, plan, mesh)
+  ex = executor(model, plan, mesh, **kw)
   state = ex.init_from_params(v0["params"], {"batch_stats": v0["batch_stats"]})
   got, metrics, state = fm.step_grads(ex, state, batch)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grad))
@@ -104,11 +104,11 @@ def test_unscanned_linen_blocks_are_units(mesh):
   """One unit per block (by type), and a kwarg (`train=`) reaching each: exact under ZeRO-3."""
   model, apply_fn = make_linen(scan=False)
   assert not model.scanned
-  batch = fm.batch(64, accum=ACCUM, seed=2)
-  v0, ref = run_reference(model, apply_fn, mesh, batch)
-  ex = executor(model, "zero3", mesh)
+  batch = fm.batch(64, accum=1, seed=2)
+  v0, ref = run_reference(model, apply_fn, mesh, batch, accum_steps=1)
+  ex = executor(model, "zero3", mesh, accum_steps=1)
   assert set(ex.layout.tree()) == {"_root", "block0", "block1", "block2", "last"}
-  check_step(model, batch, v0, ref, "zero3", mesh)
+  check_step(model, batch, v0, ref, "zero3", mesh, accum_steps=1)
 
 
 def test_logical_tree_is_the_users(linen, mesh):
