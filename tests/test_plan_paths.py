@@ -105,22 +105,3 @@ def test_nan_gradient_through_qgz_skips_the_step(grad_bits):
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(a, np.asarray(b))
 
-
-def test_16bit_gradient_reduction_stays_16bit_on_the_wire(setup):
-  """`reduce_dtype='bfloat16'` (DeepSpeed's ZeRO-3 baseline): the compiled gradient reduction moves
-  16-bit words — half the fp32 bytes — where XLA:CPU would widen a bf16 reduce-scatter to fp32; the sum
-  is in fp32 and the gradient within bf16's precision of jax.grad (relative L2 error < 1%)."""
-  mesh, model, params, batch, want = setup
-  got, _ = helpers.sharded_grads(plans.zero3(param_dtype="float32", reduce_dtype="bfloat16"), mesh, model,
-                                 params, batch)
-  err = helpers.rel_l2(got, want)
-  assert 1e-4 < err < 1e-2, err
-  reds = {}
-  for dtype in ("float32", "bfloat16"):
-    ex = zerojax.Executor(model, optax.sgd(1.0), plans.zero3(reduce_dtype=dtype), mesh, accum_steps=2)
-    state = ex.init_from_params(params)
-    hlo = ex.step_fn().lower(state, jax.device_put(batch, ex.batch_sharding)).compile().as_text()
-    reds[dtype] = [c for c in analysis.collectives_from_hlo(hlo, mesh) if c.role == "gradient reduction"]
-  assert {c.dtype for c in reds["bfloat16"]} == {"u16"} and {c.op for c in reds["bfloat16"]} == {"all-to-all"}
-  cross = {d: sum(c.cross_node_bytes_per_device * c.count for c in cs) for d, cs in reds.items()}
-  assert cross["bfloat16"] == pytest.approx(cross["float32"] / 2, rel=1e-6)

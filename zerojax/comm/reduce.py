@@ -35,17 +35,14 @@ def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], sizes: tu
                         backend: str | None = None) -> list[jax.Array]:
   """Sums each leaf's full flat gradient `[k * c_i]` over `axes` and keeps this device's chunk `[c_i]`.
 
-  With `bits` the sum is qgZ's 2-hop quantized all-to-all (`zerojax.qgz`) instead of `psum_scatter`;
-  16-bit gradients travel as 16-bit words (`reduce_scatter_16bit`).
+  With `bits` the sum is qgZ's 2-hop quantized all-to-all (`zerojax.qgz`) instead of `psum_scatter`.
   """
   if not axes:
     return list(grads)
   k = math.prod(sizes)
   chunks = [g.shape[0] // k for g in grads]
   buf_kxC = jnp.concatenate([g.reshape(k, c) for g, c in zip(grads, chunks)], axis=1)
-  if bits is None and buf_kxC.dtype.itemsize == 2 and jnp.issubdtype(buf_kxC.dtype, jnp.floating):
-    buf_C = reduce_scatter_16bit(buf_kxC, axes)
-  elif bits is None:
+  if bits is None:
     buf_C = lax.psum_scatter(buf_kxC.reshape(-1), axes, scatter_dimension=0, tiled=True)
   else:
     buf_C = qgz.qgz_reduce_scatter(buf_kxC.reshape(-1), axes=axes, sizes=sizes, bits=bits, block=block,

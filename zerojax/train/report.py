@@ -26,6 +26,8 @@ def describe_plan(plan) -> str:
   every, gpu, none = frozenset(AXES), frozenset({"gpu"}), frozenset()
   stages = {(none, none, none): "dp", (none, none, every): "zero1", (none, every, every): "zero2",
             (every, every, every): "zero3", (gpu, gpu, gpu): "mics"}
+  if not hasattr(plan, "param_axes"):  # auto(): the planner names the plan it picks
+    return getattr(plan, "name", "auto")
   degrees = (plan.param_axes, plan.grad_axes, plan.opt_axes)
   if any(isinstance(d, int) for d in degrees):  # groups named by size (MiCS, AMSP)
     p, g, o = (d if isinstance(d, int) else "+".join(d) or 1 for d in degrees)
