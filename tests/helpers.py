@@ -78,3 +78,11 @@ def rel_l2(a, b):
   num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   den = sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(b))
   return (num / den) ** 0.5
+
+
+def reference_case():
+  """(tiny GPT, its initial params, one batch of 2 micro-batches, single-device `jax.grad` on it)."""
+  model = tiny_gpt()
+  params = jax.jit(model.init)(jax.random.key(0))
+  batch = batches(1, 2)[0]
+  return model, params, batch, reference_grads(model, params, batch)

@@ -24,10 +24,7 @@ GROUPS = [1, 2, 4, 8]
 
 @pytest.fixture(scope="module")
 def model_and_ref():
-  model = helpers.tiny_gpt()
-  params = jax.jit(model.init)(jax.random.key(0))
-  batch = helpers.batches(1, 2)[0]
-  return model, params, batch, helpers.reference_grads(model, params, batch)
+  return helpers.reference_case()
 
 
 def compiled_collectives(plan, mesh, model, params, accum=2):

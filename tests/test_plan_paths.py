@@ -18,10 +18,7 @@ from tests import helpers
 
 @pytest.fixture(scope="module")
 def setup():
-  model = helpers.tiny_gpt()
-  params = jax.jit(model.init)(jax.random.key(0))
-  batch = helpers.batches(1, 2)[0]
-  return zerojax.make_mesh(2, 4), model, params, batch, helpers.reference_grads(model, params, batch)
+  return (zerojax.make_mesh(2, 4), *helpers.reference_case())
 
 
 def test_pallas_backend_is_bitwise_xla_through_the_executor(setup):

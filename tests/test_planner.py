@@ -29,10 +29,7 @@ def test_space_holds_the_known_plans_and_only_nested_points():
 
 @pytest.fixture(scope="module")
 def ref():
-  model = helpers.tiny_gpt()
-  params = jax.jit(model.init)(jax.random.key(0))
-  batch = helpers.batches(1, 2)[0]
-  return model, params, batch, helpers.reference_grads(model, params, batch)
+  return helpers.reference_case()
 
 
 @pytest.mark.parametrize("pt", planner.plan_space(2, 4), ids=lambda p: p.name(8))

@@ -155,6 +155,14 @@ def group_axes(mesh: Mesh, group: int) -> tuple[str, ...]:
   return tuple(reversed(out))
 
 
+def request_cpu_devices(n: int) -> None:
+  """Asks for `n` simulated CPU devices; a no-op once the backend has started (e.g. under pytest)."""
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:
+    pass
+
+
 def initialize_distributed(coordinator: str | None = None, num_processes: int | None = None,
                            process_id: int | None = None) -> None:
   """Starts JAX's distributed runtime: one process per node (NCCL on GPU, gloo on CPU).

@@ -15,6 +15,7 @@ import sys
 
 import jax
 
+from zerojax import mesh as mesh_lib
 from zerojax.analysis import (collectives_from_hlo, render_collectives, render_table, step_collectives,
                               step_hlo, step_report, summarize)
 
@@ -70,10 +71,7 @@ def main(argv=None) -> None:
       print(render_collectives(found))
       return
   else:
-    try:
-      jax.config.update("jax_num_cpu_devices", nodes * gpus)
-    except RuntimeError:  # the backend has started already (e.g. under pytest)
-      pass
+    mesh_lib.request_cpu_devices(nodes * gpus)
     if jax.device_count() < nodes * gpus:
       raise SystemExit(f"error: a {nodes}x{gpus} mesh needs {nodes * gpus} devices, but jax has "
                        f"{jax.device_count()}; use --mesh with at most that many")

@@ -13,7 +13,6 @@ import argparse
 import json
 import sys
 
-import jax
 import numpy as np
 
 
@@ -31,10 +30,8 @@ def main(argv=None) -> int:
     nodes, gpus = (int(v) for v in args.mesh.lower().split("x"))
   except ValueError:
     ap.error(f"--mesh {args.mesh!r} is not NODESxGPUS; use e.g. 2x4")
-  try:
-    jax.config.update("jax_num_cpu_devices", nodes * gpus)
-  except RuntimeError:
-    pass
+  from zerojax import mesh as mesh_lib
+  mesh_lib.request_cpu_devices(nodes * gpus)
   import dataclasses
 
   from zerojax import planner, plan as plans

@@ -17,19 +17,6 @@ from jax import lax
 from zerojax.comm import qgz
 
 
-def reduce_scatter_16bit(buf_kxC: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """Reduce-scatter of 16-bit gradients that stays 16 bits on the wire: `[k, C]` -> this device's `[C]`.
-
-  One all-to-all of the raw 16-bit words (device j receives every device's slab j), then an fp32 sum:
-  the bytes of a ring reduce-scatter, (k - 1)/k of the buffer, in 16 bits on every backend (XLA's CPU
-  backend widens a bf16 `psum_scatter` to fp32 on the wire), summed in fp32 like DeepSpeed's baseline.
-  """
-  dtype = buf_kxC.dtype
-  words = lax.bitcast_convert_type(buf_kxC, jnp.uint16)
-  recv = lax.all_to_all(words, axes, 0, 0, tiled=True)                     # [k(from), C]
-  return jnp.sum(lax.bitcast_convert_type(recv, dtype).astype(jnp.float32), axis=0).astype(dtype)
-
-
 def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], sizes: tuple[int, ...], *,
                         bits: int | None = None, block: int = 256, stages: int = 1,
                         backend: str | None = None) -> list[jax.Array]:

@@ -268,17 +268,7 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
 
   def loss(params, batch, rng, state):
     state = dict(state or {})
-    sharded = any(isinstance(v, ShardedUnit) for v in params.values())
-    metas = {}
-    if sharded:
-      tree = {ROOT: unit(_identity)(params[ROOT])} if ROOT in params else {}
-      for name, su in params.items():
-        if name != ROOT:
-          metas[paths[name]] = su.meta
-          tree[name] = jax.tree.unflatten(su.meta.treedef, [_ShardLeaf(a, b) for a, b in zip(su.shards, su.sinks)])
-      tree = _merge_user(tree, paths)
-    else:
-      tree = _merge_user(params, paths)
+    tree, metas, sharded = _user_tree(params, paths)
 
     def apply(*args, **kwargs):
       ctx = nn.intercept_methods(_interceptor(metas, mutable)) if sharded else contextlib.nullcontext()
@@ -296,6 +286,21 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
 
 def _is_shape(x) -> bool:
   return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def _user_tree(params: dict, paths: dict):
+  """The user's tree from the executor's `{unit: params}`, the units' metas by module path, and whether
+  the params are sharded (inside the executor: each named unit's leaves become `_ShardLeaf`s, the root
+  unit is gathered whole)."""
+  sharded = any(isinstance(v, ShardedUnit) for v in params.values())
+  if not sharded:
+    return _merge_user(params, paths), {}, False
+  metas, tree = {}, {ROOT: unit(_identity)(params[ROOT])} if ROOT in params else {}
+  for name, su in params.items():
+    if name != ROOT:
+      metas[paths[name]] = su.meta
+      tree[name] = jax.tree.unflatten(su.meta.treedef, [_ShardLeaf(a, b) for a, b in zip(su.shards, su.sinks)])
+  return _merge_user(tree, paths), metas, True
 
 
 def _identity(tree):

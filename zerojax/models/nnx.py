@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zerojax.executor import Model
-from zerojax.models.linen import (ROOT, _ShardLeaf, _identity, _merge_user, _sds, _split_user, _to_dict,
+from zerojax.models.linen import (_ShardLeaf, _merge_user, _user_tree, _sds, _split_user, _to_dict,
                                   linen_rngs)
 from zerojax.unit import ShardedUnit, unit
 
@@ -171,17 +171,7 @@ def from_nnx(module: nnx.Module | Callable[[nnx.Rngs], nnx.Module], example_batc
 
   def loss(params, batch, rng, state):
     box = {"state": state}
-    sharded = any(isinstance(v, ShardedUnit) for v in params.values())
-    metas = {}
-    if sharded:
-      tree = {ROOT: unit(_identity)(params[ROOT])} if ROOT in params else {}
-      for name, su in params.items():
-        if name != ROOT:
-          metas[paths[name]] = su.meta
-          tree[name] = jax.tree.unflatten(su.meta.treedef, [_ShardLeaf(a, b) for a, b in zip(su.shards, su.sinks)])
-      tree = _merge_user(tree, paths)
-    else:
-      tree = _merge_user(params, paths)
+    tree, metas, sharded = _user_tree(params, paths)
 
     def apply(*args, **kwargs):
       states = [_with_values(m_abs[c], box["state"][c]) for c in cols]

@@ -92,8 +92,7 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int) -> dict:
     if point.zeropp:
       t_g += work.accum * calls * t("all_to_all", (0.5 + 4 / 256) * n, g, 1)
     else:
-      t_g += work.accum * calls * t("reduce_scatter", 4 * n, g, 1)
-    # the first reduction hop is over s_p, the rest of s_g: one collective over s_g in this executor
+      t_g += work.accum * calls * t("reduce_scatter", 4 * n, g, 1)  # one collective over all of s_g
   phi = work.numel
   t_os0 = t("reduce_scatter", 4 * phi / g, os_ // g, g) + t("all_reduce", 4 * phi / os_, world // os_, os_)
   t_os1 = t("all_gather", work.param_bytes * phi / p, os_ // p, p)

@@ -118,10 +118,7 @@ def main(argv=None) -> int:
   except ValueError:
     ap.error(f"--sizes {args.sizes!r} must be comma-separated byte counts, e.g. 65536,524288")
   if args.devices or jax.config.jax_platforms in (None, "", "cpu"):
-    try:
-      jax.config.update("jax_num_cpu_devices", args.devices or 8)
-    except RuntimeError:
-      pass
+    mesh_lib.request_cpu_devices(args.devices or 8)
   if args.coordinator:
     mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id)
   nodes = args.nodes or (jax.process_count() if jax.process_count() > 1 else 2)
