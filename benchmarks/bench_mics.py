@@ -9,7 +9,8 @@ medians of the same rate).
 
   sudo python benchmarks/bench_mics.py --shapes 2x4,4x2 --rates 100mbit,1gbit --accum 1,4 --reps 3
 
-Plans per shape: `zero3`, `zeropp`, and MiCS for every multi-device group size that divides the
+Plans per shape: `zero3`, `zeropp`, and MiCS (as in `configs/mics*.gin`: replica all-reduce inside the last
+micro-step's backward) for every multi-device group size that divides the
 cluster (`mics.group_size` = G/2, G, 2G, ...), plus the 2-node group with a flat gather (`hierarchical
 = False`) to compare with the hierarchical one. Prints JSON, writes `benchmarks/mics.json` and the MiCS
 section of `benchmarks/RESULTS.md`.
@@ -47,7 +48,7 @@ def plans_for(nodes: int, gpus: int) -> dict[str, list[str]]:
   for g in groups:
     if g == world and g != 2 * gpus:
       continue  # the whole cluster is ZeRO-3 (kept only as the 2-node group of a 2-node cluster)
-    out[f"mics_{g}"] = ["train.plan=@mics()", f"mics.group_size={g}"]
+    out[f"mics_{g}"] = ["train.plan=@mics()", f"mics.group_size={g}", "mics.sync_in_backward=True"]
     if g == 2 * gpus:  # a group of two nodes: the hierarchical gather against the flat one
       out[f"mics_{g}_flat"] = out[f"mics_{g}"] + ["mics.hierarchical=False"]
   return out
@@ -119,6 +120,7 @@ def main(argv=None) -> int:
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--plans", default=None, help="only these plan names (see plans_for)")
+  ap.add_argument("--flat_accum", type=int, default=4, help="run the flat-gather variants at this accumulation only")
   ap.add_argument("--gin_param", action="append", default=[])
   ap.add_argument("--json", default=os.path.join(HERE, "mics.json"))
   ap.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
@@ -130,15 +132,15 @@ def main(argv=None) -> int:
   rates = [r for r in args.rates.split(",") if r] + ["none"]
   accums = [int(a) for a in args.accum.split(",")]
   only = set(args.plans.split(",")) if args.plans else None
+  keep = lambda name, accum: (not only or name in only) and (not name.endswith("_flat") or accum == args.flat_accum)
   runs = []
-  total = args.reps * sum(len(rates) * len(accums) * len([p for p in plans_for(*s) if not only or p in only])
-                          for s in shapes)
+  total = args.reps * sum(len(rates) * len([p for a in accums for p in plans_for(*s) if keep(p, a)]) for s in shapes)
   for rep in range(args.reps):
     for nodes, gpus in shapes:
       for accum in accums:
         for rate in rates:
           for name, params in plans_for(nodes, gpus).items():
-            if only and name not in only:
+            if not keep(name, accum):
               continue
             r = run_one(nodes, gpus, rate, accum, params, args)
             runs.append({"shape": f"{nodes}x{gpus}", "accum": accum, "rate": rate, "plan": name, "rep": rep,
