@@ -64,6 +64,11 @@ def plan_name(row) -> str:
   return f"({row['s_p']},{row['s_g']},{row['s_os']})"
 
 
+def brief(row: dict | None) -> dict | None:
+  keep = ("plan", "s_p", "s_g", "s_os", "T_comm", "T_step", "bytes_per_device", "fits")
+  return None if row is None else {k: row[k] for k in keep} | {"degrees": plan_name(row)}
+
+
 def report(gpus: int = 1024, profile: dict | None = None) -> dict:
   nodes = gpus // 8
   prof = profile if profile is not None else (links.amsp_a800() if gpus == 1024 else links.link_profile(
@@ -74,27 +79,25 @@ def report(gpus: int = 1024, profile: dict | None = None) -> dict:
     work = workload(model, gpus)
     rows = planner.rank(nodes, 8, work, prof, memory_cap_bytes=cap)
     best = planner.choose(rows, cap)
-    find = lambda t: next((r for r in rows if (r["s_p"], r["s_g"], r["s_os"]) == t), None)
-    keep = ("plan", "s_p", "s_g", "s_os", "T_comm", "T_step", "bytes_per_device", "fits")
-    brief = lambda r: None if r is None else {k: r[k] for k in keep} | {"degrees": plan_name(r)}
+    find = lambda t, rows=rows: brief(next((r for r in rows if (r["s_p"], r["s_g"], r["s_os"]) == t), None))
     out["models"][model] = {
         "params": work.numel, "accum": work.accum, "compute_s": work.compute_s, "activation_bytes": work.activation_bytes,
-        "chosen": brief(best), "paper": brief(find(PAPER[model])), "mics_paper": brief(find(MICS[model])),
-        "zero3": brief(find((gpus, gpus, gpus))), "zero1": brief(find((1, 1, gpus))),
+        "chosen": brief(best), "paper": find(PAPER[model]), "mics_paper": find(MICS[model]),
+        "zero3": find((gpus, gpus, gpus)), "zero1": find((1, 1, gpus)),
         "top5_fit": [brief(r) for r in rows if r["fits"]][:5], "matches_paper": plan_name(best) == str(PAPER[model]).replace(" ", "")}
   return out
 
 
 def markdown(reps: list[dict]) -> str:
   lines = ["## AMSP planner on the paper's cluster (Table IV)", "",
-           "`python benchmarks/bench_amsp_paper.py`: the profile written from the paper's link figures "
+           ("`python benchmarks/bench_amsp_paper.py`: the profile written from the paper's link figures "
            "(`zerojax/planner/profiles/amsp_a800_128x8.json`: NVLink 200 GB/s one way per GPU, 4 x HDR 200 Gb/s "
            "per node, NCCL ring latencies; the same links for the 8-GPU node), LLaMA shapes only, sequence 4096, "
            f"micro-batch 1, M = 1024 / GPUs micro-batches per step, memory cap {reps[0]['memory_cap_gb']} GB, "
            "recomputation for 30B. (s_p, s_g, s_os) in devices; predicted T_comm and model states + activations "
-           "per device.", "",
-           "| GPUs | model | planner's plan | T_comm s | GB/device | paper's AMSP plan (Table IV) | T_comm s | GB/device | "
-           "ZeRO-1 T_comm s | ZeRO-3 T_comm s | MiCS (Table IV) T_comm s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "per device."), "",
+           ("| GPUs | model | planner's plan | T_comm s | GB/device | paper's AMSP plan (Table IV) | T_comm s | GB/device | "
+            "ZeRO-1 T_comm s | ZeRO-3 T_comm s | MiCS (Table IV) T_comm s |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
   for rep in reps:
     lines += [_row(rep["gpus"], m, r) for m, r in rep["models"].items()]
   return "\n".join(lines) + "\n"

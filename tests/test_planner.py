@@ -156,7 +156,7 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile_and_a_plan_under_the_
   log = capsys.readouterr().out
   pick = next(r for r in capped.planner_rows if r["plan"] == capped.plan.name)
   assert pick["fits"] and pick["bytes_per_device"] <= cap_gb * 2**30 and capped.plan.name != "mics-4"
-  assert pick is [r for r in capped.planner_rows if r["fits"]][0]
+  assert pick is next(r for r in capped.planner_rows if r["fits"])
   line = next(m for m in log.splitlines() if m.startswith("zerojax: auto chose"))
   assert f"auto chose {capped.plan.name}: fastest predicted step" in line and "over the cap" in line
   assert f"mics-4 {mics['bytes_per_device'] / 2**30:.4f} GiB" in line, line
@@ -203,6 +203,7 @@ def test_eq7_option_changes_the_space_as_the_paper_counts():
 
 def test_compute_anchor_fit_and_the_step_combination():
   from zerojax.planner import compute
+
   work = cost.Workload(units=((1000, 2), (500, 1)), accum=3)
   coef = np.array([0.5, 1e-4, 2e-6, 3e-6])
   pts = planner.plan_space(2, 4)
@@ -228,6 +229,7 @@ def test_paper_cluster_profile_and_table_iv_choices_are_reproducible():
   """The A800 profile is the link-figure model's output, and the planner's LLaMA choices on it are fixed."""
   import importlib.util
   import pathlib
+
   from zerojax.planner import links
   path = pathlib.Path(planner.__file__).parent / "profiles" / "amsp_a800_128x8.json"
   assert json.loads(path.read_text()) == json.loads(json.dumps(links.amsp_a800()))

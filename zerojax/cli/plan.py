@@ -73,7 +73,8 @@ def main(argv=None) -> int:
   except planner.PlanError as e:
     raise SystemExit(f"error: {e}")
   if args.json:
-    print(json.dumps({"chosen": best["plan"], "compute": table, "overlap": args.overlap, "rows": rows}, indent=2))
+    print(json.dumps({"chosen": best["plan"], "compute": table, "overlap": args.overlap,
+                      "workload": dataclasses.asdict(work), "rows": rows}, indent=2))
   else:
     print(f"mesh {nodes} x {gpus}, compute: {mode} (DP {table['dp_s']:.3f} s/step in this process)")
     print(planner.render(rows, best))
