@@ -129,7 +129,7 @@ def test_profiler_measures_every_group_on_this_mesh():
   assert len(rows) == 16 and all(np.isfinite(r["T_step"]) for r in rows)
 
 
-def test_auto_in_the_trainer_picks_a_plan_from_the_profile(tmp_path):
+def test_auto_in_the_trainer_picks_a_plan_from_the_profile_and_a_plan_under_the_cap(tmp_path, capsys):
   """`train.plan = @auto()`: the trainer builds the planner's choice (here: a profile whose cross-node
   links are 1000x slower keeps every per-micro-step collective inside the node)."""
   import gin
@@ -139,13 +139,27 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile(tmp_path):
   gin.clear_config()
   gin.parse_config(["model_config.d_model = 32", "model_config.num_layers = 2", "model_config.seq_len = 16"])
   try:
-    ex = trainer.build(planner.auto(profile=str(path)), 2, accum_steps=2, batch_size=8)
+    ex = trainer.build(planner.auto(profile=str(path), compute="uniform"), 2, accum_steps=2, batch_size=8)
+    rows = ex.planner_rows
+    assert ex.plan.name == rows[0]["plan"] and rows == sorted(rows, key=lambda r: r["T_step"])
+    assert rows[0]["s_g"] <= 4 and rows[0]["s_p"] <= 4
+    assert all(a in ex.mesh.axis_names for a in ex.plan.grad_axes)
+    # the memory-cap demo: a cap just below MiCS's (group = node) need; auto picks a plan that fits and says
+    # which faster plans the cap ruled out
+    mics = next(r for r in rows if r["plan"] == "mics-4")
+    cap_gb = mics["bytes_per_device"] * (1 - 1e-6) / 2**30
+    capsys.readouterr()
+    capped = trainer.build(planner.auto(profile=str(path), memory_cap_gb=cap_gb, compute="uniform"), 2,
+                           accum_steps=2, batch_size=8)
   finally:
     gin.clear_config()
-  rows = ex.planner_rows
-  assert ex.plan.name == rows[0]["plan"] and rows == sorted(rows, key=lambda r: r["T_step"])
-  assert rows[0]["s_g"] <= 4 and rows[0]["s_p"] <= 4
-  assert all(a in ex.mesh.axis_names for a in ex.plan.grad_axes)
+  log = capsys.readouterr().out
+  pick = next(r for r in capped.planner_rows if r["plan"] == capped.plan.name)
+  assert pick["fits"] and pick["bytes_per_device"] <= cap_gb * 2**30 and capped.plan.name != "mics-4"
+  assert pick is next(r for r in capped.planner_rows if r["fits"])
+  line = next(m for m in log.splitlines() if m.startswith("zerojax: auto chose"))
+  assert f"auto chose {capped.plan.name}: fastest predicted step" in line and "over the cap" in line
+  assert f"mics-4 {mics['bytes_per_device'] / 2**30:.4f} GiB" in line, line
 
 
 def test_plan_command_ranks_a_gin_config(tmp_path, capsys):
@@ -161,5 +175,81 @@ def test_plan_command_ranks_a_gin_config(tmp_path, capsys):
   finally:
     gin.clear_config()
   out = json.loads(capsys.readouterr().out)
-  assert out["compute_s"] > 0 and out["activation_bytes"] > 0 and len(out["rows"]) == 16
+  table = out["compute"]
+  assert table["mode"] == "anchors" and set(table["measured"]) == {"dp", "zero1", "zero2", "zero3"}
+  assert table["dp_s"] > 0 and all(v > 0 for v in table["temp_bytes"].values()) and len(out["rows"]) == 16
   assert out["chosen"] == out["rows"][0]["plan"]
+  lo, hi = min(table["measured"].values()), max(table["measured"].values())
+  for r in out["rows"]:  # fitted on the four anchors (exact on them unless a coefficient came out negative)
+    assert lo / 2 <= r["compute_s"] <= 2 * hi
+    assert r["T_step"] == pytest.approx(r["compute_s"] + r["T_comm"])
+    assert r["T_step_uniform"] >= table["dp_s"]
+
+
+def test_eq7_option_changes_the_space_as_the_paper_counts():
+  """AMSP §V-B, Eq. 7: on 128 x 8 the rule leaves 121 of the 688 nested points with s_g ∈ {s_p, s_os}."""
+  on, off = planner.plan_space(128, 8), planner.plan_space(128, 8, eq7=False)
+  assert (len(on), len(off)) == (121, 688) and off[:121] == on
+  for pt in off[121:]:
+    meshes = pt.meshes(8)
+    assert any(s1 > 1 and s0 < 8 for s0, s1 in meshes), pt   # breaks Eq. 7
+    for k in (0, 1):                                          # nested per mesh axis (§IV-B)
+      assert meshes[2][k] % meshes[1][k] == 0 and meshes[1][k] % meshes[0][k] == 0
+  extra = planner.plan_space(2, 4, eq7=False)[16:]
+  assert len(extra) == 14 and "amsp-p2x1-g2x2-os2x2" in {p.name(8) for p in extra}
+  with pytest.raises(ValueError, match=r"amsp-p2x1-g2x2-os2x2 breaks AMSP's node-spanning rule \(Eq. 7\)"):
+    next(p for p in extra if p.name(8) == "amsp-p2x1-g2x2-os2x2").plan(2, 4)
+
+
+def test_compute_anchor_fit_and_the_step_combination():
+  from zerojax.planner import compute
+
+  work = cost.Workload(units=((1000, 2), (500, 1)), accum=3)
+  coef = np.array([0.5, 1e-4, 2e-6, 3e-6])
+  pts = planner.plan_space(2, 4)
+  measured = {p: compute.predict(coef, p, work) for p in compute.anchors(8)}
+  fitted = compute.fit(measured, work)
+  for p in pts:   # a compute that is linear in the features is recovered from the four anchors alone
+    assert compute.predict(fitted, p, work) == pytest.approx(compute.predict(coef, p, work), rel=1e-6)
+  assert compute.predict(coef, planner.Point(2, 2, 8), work) > compute.predict(coef, planner.Point(1, 1, 8), work)
+  assert cost.step_time(2.0, 0.5) == 2.5 and cost.step_time(2.0, 0.5, "full") == 2.0
+  with pytest.raises(ValueError, match="overlap='some'"):
+    cost.step_time(1.0, 1.0, "some")
+  with pytest.raises(ValueError, match="compute mode 'fast'"):
+    compute.per_plan(None, pts, 2, 4, work, None, mode="fast")
+  # a compute measured in this process holds the collectives inside a node: only node-spanning ones are added
+  prof = synthetic_profile(2, 4, intra=1e-9, inter=1e-7)
+  mics = cost.comm_time(planner.Point(4, 4, 4), work, prof, 4, spanning_only=True)
+  assert mics["T_p"] == 0 and mics["T_g"] == 0 and mics["T_os1"] == 0 and mics["T_os0"] > 0
+  full = cost.comm_time(planner.Point(4, 4, 4), work, prof, 4)
+  assert full["T_p"] > 0 and full["T_os0"] == mics["T_os0"]
+
+
+def test_paper_cluster_profile_and_table_iv_choices_are_reproducible():
+  """The A800 profile is the link-figure model's output, and the planner's LLaMA choices on it are fixed."""
+  import importlib.util
+  import pathlib
+
+  from zerojax.planner import links
+  path = pathlib.Path(planner.__file__).parent / "profiles" / "amsp_a800_128x8.json"
+  assert json.loads(path.read_text()) == json.loads(json.dumps(links.amsp_a800()))
+  with pytest.raises(planner.PlanError, match=r"measured on 128 nodes x 8 gpus, but this cluster is 2 x 4"):
+    planner.load_profile(str(path), 2, 4)
+  g = links.amsp_a800()["groups"]
+  assert g["8@1"]["all_gather"]["beta"] == pytest.approx(7 / 8 / 200e9)          # NVLink ring inside a node
+  assert g["128@8"]["all_reduce"]["beta"] == pytest.approx(2 * 8 * 127 / 128 / 100e9)  # 8 rings share 4 x HDR
+  spec = importlib.util.spec_from_file_location("bench_amsp_paper", pathlib.Path(__file__).parents[1] /
+                                                "benchmarks" / "bench_amsp_paper.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  for model, want in (("LLaMA-7B", 6.74e9), ("LLaMA-13B", 13.0e9), ("LLaMA-30B", 32.5e9)):
+    assert bench.workload(model, 1024).numel == pytest.approx(want, rel=0.01)
+  rep = bench.report(1024, planner.load_profile(str(path), 128, 8))
+  assert rep == bench.report(1024, planner.load_profile(str(path), 128, 8))
+  chosen = {m: r["chosen"]["degrees"] for m, r in rep["models"].items()}
+  assert chosen == {"LLaMA-7B": "(1,1,64)", "LLaMA-13B": "(1,16,16)", "LLaMA-30B": "(1,64,64)"}
+  for r in rep["models"].values():
+    assert r["chosen"]["fits"] and r["chosen"]["bytes_per_device"] <= 80e9
+    assert r["chosen"]["T_step"] <= r["paper"]["T_step"] and r["paper"]["fits"]
+  md = bench.markdown([rep])
+  assert all(f"| 1024 | {m} | {c} |" in md for m, c in chosen.items())

@@ -1,11 +1,14 @@
 """Picks a plan for a model and a cluster: `python -m zerojax.cli.plan --gin_file=... --profile=P.json`.
 
-Builds the gin config's model as `train.py` would, measures its compute once (data parallelism on this
-process's devices: no slow link involved) and the activation bytes of its compiled step, then ranks
-every point of AMSP's plan space by predicted step time (the profile's α-β fits of each collective over
-each group, plus the compute) and prints the table: plan, shard degrees, predicted communication and
-step seconds, bytes per device, whether it fits `--memory_cap_gb`. `--json` prints the rows as JSON.
-Without `--profile` the collectives are profiled now, on this process's devices.
+Builds the gin config's model as `train.py` would and ranks every point of AMSP's plan space by
+predicted step time: each plan's compute (`--compute`, `zerojax.planner.compute`: "anchors", the
+default, measures DP, ZeRO-1, ZeRO-2 and ZeRO-3 in this process and fits the rest; "measured" or
+`--measure_compute` measures every plan; "uniform" charges every plan DP's) plus the profile's α-β fits
+of the collectives that span nodes (all of them with "uniform"), and prints the table: plan, shard
+degrees, compute, communication and step seconds, bytes per device (model states + the compiled step's
+activations and temporaries), whether it fits `--memory_cap_gb`. `--json` prints the rows as JSON, each
+with `T_step_uniform`, the step AMSP's uniform-compute model predicts. Without `--profile` the
+collectives are profiled now, on this process's devices.
 """
 from __future__ import annotations
 
@@ -23,6 +26,12 @@ def main(argv=None) -> int:
   ap.add_argument("--profile", default=None, help="JSON from `python -m zerojax.planner.profile`")
   ap.add_argument("--memory_cap_gb", type=float, default=None, help="per-device memory cap in GiB")
   ap.add_argument("--zeropp", action="store_true", help="also rank ZeRO++ variants (qwZ/hpZ/qgZ)")
+  ap.add_argument("--compute", default="anchors", choices=("uniform", "anchors", "measured"),
+                  help="how each plan's compute is known (default: four anchor plans measured, the rest fitted)")
+  ap.add_argument("--measure_compute", action="store_true", help="measure every plan's compute (= --compute "
+                  "measured; one compile and a few steps per plan)")
+  ap.add_argument("--overlap", default="none", choices=("none", "full"),
+                  help="step = compute + communication (none) or the larger of the two (full)")
   ap.add_argument("--mesh", default="2x4", help="NODESxGPUS of the cluster to plan for (default 2x4)")
   ap.add_argument("--json", action="store_true", help="print the ranked rows as JSON")
   args = ap.parse_args(argv)
@@ -34,18 +43,16 @@ def main(argv=None) -> int:
   mesh_lib.request_cpu_devices(nodes * gpus)
   import dataclasses
 
-  from zerojax import planner, plan as plans
+  from zerojax import planner
   from zerojax.cli.account import _gin_executor
-  from zerojax.planner import profile as profile_lib
+  from zerojax.planner import compute as compute_lib, profile as profile_lib
 
   ex, train_args, cfg = _gin_executor(args.gin_file, args.gin_param + ["train.plan=@zero3()"], nodes)
   batch = np.zeros((ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1), np.int32)
-  dp = lambda: type(ex)(ex.model, ex.user_optimizer, plans.dp(param_dtype=ex.plan.param_dtype,
-                                                         compute_dtype=ex.plan.compute_dtype), ex.mesh,
-                        accum_steps=ex.accum_steps)
-  compute_s, _ = planner.solve.measure_compute(dp, batch)
-  _, temp = planner.solve.measure_compute(lambda: ex, batch, reps=1)
-  work = dataclasses.replace(planner.workload(ex), compute_s=compute_s, activation_bytes=temp)
+  dtypes = {"param_dtype": ex.plan.param_dtype, "compute_dtype": ex.plan.compute_dtype}
+  make = lambda p: type(ex)(ex.model, ex.user_optimizer, dataclasses.replace(p, **dtypes), ex.mesh,
+                            accum_steps=ex.accum_steps)
+  work = planner.workload(ex)
   if args.profile:
     try:
       prof = planner.load_profile(args.profile, nodes, gpus)
@@ -53,19 +60,25 @@ def main(argv=None) -> int:
       raise SystemExit(f"error: {e}")
   else:
     prof = profile_lib.profile(ex.mesh, [65536, 524288, 2097152])
+  mode = "measured" if args.measure_compute else args.compute
+  log = lambda m: print(m, file=sys.stderr, flush=True)
+  table = compute_lib.per_plan(make, planner.plan_space(nodes, gpus, zeropp=args.zeropp), nodes, gpus, work,
+                               batch, mode=mode, zeropp=args.zeropp, log=log)
+  work = dataclasses.replace(work, compute_s=table["dp_s"])
   cap = args.memory_cap_gb * 2**30 if args.memory_cap_gb else None
-  rows = planner.rank(nodes, gpus, work, prof, memory_cap_bytes=cap, zeropp=args.zeropp)
+  rows = planner.rank(nodes, gpus, work, prof, memory_cap_bytes=cap, zeropp=args.zeropp, compute=table,
+                      overlap=args.overlap)
   try:
     best = planner.choose(rows, cap)
   except planner.PlanError as e:
     raise SystemExit(f"error: {e}")
   if args.json:
-    print(json.dumps({"chosen": best["plan"], "compute_s": compute_s, "activation_bytes": temp, "rows": rows},
-                     indent=2))
+    print(json.dumps({"chosen": best["plan"], "compute": table, "overlap": args.overlap,
+                      "workload": dataclasses.asdict(work), "rows": rows}, indent=2))
   else:
-    print(f"mesh {nodes} x {gpus}, compute {compute_s:.3f} s/step (measured), activations {temp / 1e6:.1f} MB/device")
+    print(f"mesh {nodes} x {gpus}, compute: {mode} (DP {table['dp_s']:.3f} s/step in this process)")
     print(planner.render(rows, best))
-    print(f"chosen: {best['plan']}")
+    print(f"chosen: {planner.solve.why(rows, best, args.memory_cap_gb)}")
   return 0
 
 

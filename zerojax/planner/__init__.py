@@ -4,7 +4,9 @@
 |-----------|-----------------------------------------------------------------------|
 | `space`   | the plan space: shard degrees s_p ≤ s_g ≤ s_os, nested, s_g ∈ {s_p, s_os} |
 | `profile` | the collective profiler (`python -m zerojax.planner.profile`) and α-β fits |
-| `cost`    | T_p + T_g + T_os^0 + T_os^1 and the memory model                      |
+| `cost`    | T_p + T_g + T_os^0 + T_os^1, the step (overlap none/full), the memory model |
+| `compute` | each plan's compute: uniform, fitted on anchor plans, or measured     |
+| `links`   | a profile written from a cluster's link figures (AMSP's A800 cluster)  |
 | `solve`   | ranking, the choice under a memory cap, and `auto()` for the trainer  |
 
 References:

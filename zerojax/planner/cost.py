@@ -1,19 +1,23 @@
 """AMSP's cost and memory model on a measured collective profile.
 
 Communication per step (AMSP §IV-C, in this executor's schedule; M micro-batches, unit sizes Φ_i, Φ the
-model, b the wire bytes of a parameter, 4 the bytes of an fp32 gradient):
+model, b the wire bytes of a parameter, r those of a reduced gradient, 4 for fp32):
 
   T_p    = M Σ_i 2 t(AG, b Φ_i, s_p)                  forward and backward gathers (hpZ: backward in node)
-  T_g    = M Σ_i t(RS, 4 Φ_i, s_g)                    per-layer gradient reduce-scatter (qgZ: all-to-all)
-  T_os^0 = t(RS, 4Φ/s_g, s_os/s_g) + t(AR, 4Φ/s_os, s_dp/s_os)    boundary reduce-scatter, replica sync
+  T_g    = M Σ_i t(RS, r Φ_i, s_g)                    per-layer gradient reduce-scatter (qgZ: all-to-all)
+  T_os^0 = t(RS, rΦ/s_g, s_os/s_g) + t(AR, rΦ/s_os, s_dp/s_os)    boundary reduce-scatter, replica sync
   T_os^1 = t(AG, b Φ/s_p, s_os/s_p)                   updated parameters into the parameter shard
 
 Each t is the profiled α + β v of that collective over that group, v the full buffer in bytes (the
 nccl-tests "algbw" convention). A group is (k devices, stride s): k consecutive members of a partition
-group have stride 1; the replicas of a shard of degree d have stride d. Predicted step time is
-compute + communication (no overlap assumed, an upper bound; the executor overlaps what it can).
+group have stride 1; the replicas of a shard of degree d have stride d; it spans nodes when k s > G.
+Predicted step time is the plan's compute C (`planner.compute`) plus the communication it does not
+hide: `overlap="none"` (default) T = C + T_comm, as AMSP's model sums its terms and as the CPU
+collectives of the emulated cluster block; `overlap="full"` T = max(C, T_comm), the bound of perfect
+overlap (AMSP §V-C, Table V). With `spanning_only` the collectives inside a node are left out: they are
+in a compute measured on this process's devices.
 
-Memory per device (AMSP §IV-D with this executor's mixed precision): b Φ/s_p + 4Φ/s_g + (4 + o)Φ/s_os
+Memory per device (AMSP §IV-D with this executor's mixed precision): b Φ/s_p + rΦ/s_g + (4 + o)Φ/s_os
 (o: optimizer-state bytes per parameter, 8 for Adam), plus hpZ's secondary shard, plus the activations
 and temporaries of the compiled step.
 
@@ -36,14 +40,24 @@ def group_key(k: int, stride: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class Workload:
   """What the cost model needs of a model and a run: unit sizes (elements per call, calls per micro-step),
-  micro-batches per step, bytes of a parameter on the wire, optimizer bytes per parameter, measured
-  compute seconds per step and activation/temporary bytes per device."""
+  micro-batches per step, bytes of a parameter on the wire and of a reduced gradient, optimizer bytes
+  per parameter, compute seconds per step of DP and activation/temporary bytes per device.
+
+  Nothing here needs the model built: `Workload.transformer` describes one from its shape alone."""
   units: tuple[tuple[int, int], ...]
   accum: int
   param_bytes: int = 2
   opt_bytes_per_param: int = 8
   compute_s: float = 0.0
   activation_bytes: int = 0
+  grad_bytes: int = 4
+
+  @classmethod
+  def transformer(cls, *, layers: int, d_model: int, d_ff: int, vocab: int, accum: int, **kw) -> Workload:
+    """A LLaMA-style decoder from its shape: one unit per layer (4 d² attention + 3 d d_ff SwiGLU + 2 d
+    norms), the embedding, and the head with the final norm; the executor gathers per unit."""
+    layer = 4 * d_model * d_model + 3 * d_model * d_ff + 2 * d_model
+    return cls(((vocab * d_model, 1), (layer, layers), (vocab * d_model + d_model, 1)), accum, **kw)
 
   @property
   def numel(self) -> int:
@@ -67,13 +81,14 @@ def groups_needed(point: Point, world: int) -> list[tuple[str, int, int]]:
   return out
 
 
-def comm_time(point: Point, work: Workload, profile: dict, gpus: int) -> dict:
-  """T_p, T_g, T_os^0, T_os^1 and their sum (seconds per step) from the profile's α-β fits."""
+def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spanning_only: bool = False) -> dict:
+  """T_p, T_g, T_os^0, T_os^1 and their sum T_comm (seconds per step) from the profile's α-β fits; with
+  `spanning_only`, of the collectives whose groups span nodes only."""
   world = profile["mesh"]["nodes"] * profile["mesh"]["gpus"]
   p, g, os_ = point.s_p, point.s_g, point.s_os
 
   def t(op, v, k, stride):
-    if k <= 1:
+    if k <= 1 or (spanning_only and k * stride <= gpus):
       return 0.0
     key = group_key(k, stride)
     fit = profile["groups"].get(key, {}).get(op)
@@ -92,19 +107,27 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int) -> dict:
     if point.zeropp:
       t_g += work.accum * calls * t("all_to_all", (0.5 + 4 / 256) * n, g, 1)
     else:
-      t_g += work.accum * calls * t("reduce_scatter", 4 * n, g, 1)  # one collective over all of s_g
-  phi = work.numel
-  t_os0 = t("reduce_scatter", 4 * phi / g, os_ // g, g) + t("all_reduce", 4 * phi / os_, world // os_, os_)
+      t_g += work.accum * calls * t("reduce_scatter", work.grad_bytes * n, g, 1)  # one collective over s_g
+  phi, r = work.numel, work.grad_bytes
+  t_os0 = t("reduce_scatter", r * phi / g, os_ // g, g) + t("all_reduce", r * phi / os_, world // os_, os_)
   t_os1 = t("all_gather", work.param_bytes * phi / p, os_ // p, p)
   total = t_p + t_g + t_os0 + t_os1
-  return {"T_p": t_p, "T_g": t_g, "T_os0": t_os0, "T_os1": t_os1, "T_comm": total,
-          "T_step": work.compute_s + total}
+  return {"T_p": t_p, "T_g": t_g, "T_os0": t_os0, "T_os1": t_os1, "T_comm": total}
+
+
+def step_time(compute_s: float, comm_s: float, overlap: str = "none") -> float:
+  """The step: compute plus unhidden communication ("none": C + T_comm; "full": max(C, T_comm))."""
+  if overlap == "none":
+    return compute_s + comm_s
+  if overlap == "full":
+    return max(compute_s, comm_s)
+  raise ValueError(f"overlap={overlap!r} is not 'none' or 'full'")
 
 
 def model_state_bytes(point: Point, work: Workload, gpus: int) -> dict:
   """Per-device bytes of parameters, gradients, master weights + optimizer states (AMSP §IV-D)."""
   phi = work.numel
-  out = {"params": work.param_bytes * phi // point.s_p, "grads": 4 * phi // point.s_g,
+  out = {"params": work.param_bytes * phi // point.s_p, "grads": work.grad_bytes * phi // point.s_g,
          "optimizer": (4 + work.opt_bytes_per_param) * phi // point.s_os,
          "hpz_secondary": work.param_bytes * phi // gpus if point.zeropp and point.s_p > gpus else 0}
   out["model_state"] = sum(out.values())

@@ -18,7 +18,7 @@ from zerojax.memory import memory_report
 from zerojax.mesh import make_mesh
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax import planner
-from zerojax.plan import Plan, dp, zero3
+from zerojax.plan import Plan, zero3
 from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, data as data_lib
 from zerojax.train import export as export_lib, report
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
@@ -76,15 +76,13 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
 
 
 def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor:
-  """Builds ZeRO-3 to read the model's units and activations, DP to time its compute, then the chosen plan."""
+  """Builds ZeRO-3 to read the model's units, measures the plans' compute (`auto.compute`), then builds
+  the chosen plan."""
   lead = jax.process_index() == 0
   ex = build(zero3(), num_nodes, **kw)
-  seq = model_config().seq_len
-  batch = np.zeros((ex.accum_steps, batch_size, seq + 1), np.int32)
-  _, temp = planner.solve.measure_compute(lambda: ex, batch, reps=1)
-  compute_s, _ = planner.solve.measure_compute(lambda: build(dp(), num_nodes, **kw), batch)
-  work = dataclasses.replace(planner.workload(ex), compute_s=compute_s, activation_bytes=temp)
-  plan, rows = choice.plan_for(ex.mesh, work, log=(lambda m: print(m, flush=True)) if lead else (lambda m: None))
+  batch = np.zeros((ex.accum_steps, batch_size, model_config().seq_len + 1), np.int32)
+  plan, rows = choice.plan_for(ex.mesh, planner.workload(ex), lambda p: build(p, num_nodes, **kw), batch,
+                               log=(lambda m: print(m, flush=True)) if lead else (lambda m: None))
   chosen = build(plan, num_nodes, **kw)
   chosen.planner_rows = rows
   return chosen

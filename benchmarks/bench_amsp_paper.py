@@ -1,0 +1,134 @@
+"""The planner on AMSP's own cluster and models, beside the paper's Table IV.
+
+AMSP's cluster (128 nodes x 8 A800 80 GB, NVLink, 4 x HDR InfiniBand, no SHARP) is described by a
+profile written from its published link figures (`zerojax/planner/profiles/amsp_a800_128x8.json`,
+`zerojax.planner.links.amsp_a800`); LLaMA 7B/13B/30B are described by their shapes alone
+(`Workload.transformer`: nothing is built). The paper's settings (§VI-A): sequence 4096, micro-batch 1,
+global batch 4M tokens, so M = 1024 / GPUs micro-batches per step; bf16 parameters and gradients, fp32
+master weights and Adam moments (12 bytes per parameter); activation recomputation for 30B only.
+
+Activations per device (an estimate; AMSP delegates them to prior work): 34 s h L bytes without
+recomputation (Korthikanti et al. 2022, Eq. 2, without the attention-score term FlashAttention-2 does
+not store), 2 s h L + 34 s h with full recomputation, plus the fp32 logits and their gradient (8 s V).
+Compute (the same for every plan, AMSP's model; only T_step's scale depends on it): the Megatron-LM
+FLOPs of the step per device (§VI-A's MFU formula, recomputation adding one forward) at the A800's 312
+TFLOP/s bf16 peak.
+
+  python benchmarks/bench_amsp_paper.py [--gpus 1024] [--write-profile] [--results benchmarks/RESULTS.md]
+
+Prints JSON: per model the chosen plan, the paper's plan, the predicted seconds and memory of each, and
+the five fastest plans that fit; with --results also writes the "AMSP planner on the paper's cluster"
+section of RESULTS.md. Deterministic: no measurement is involved.
+
+References:
+  AMSP: Chen et al. 2023, §VI-A (cluster, workload), Table IV (chosen strategies).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+from zerojax import planner  # noqa: E402
+from zerojax.planner import links  # noqa: E402
+
+PROFILE = os.path.join(REPO, "zerojax", "planner", "profiles", "amsp_a800_128x8.json")
+SEQ, VOCAB, PEAK, CAP_GB = 4096, 32000, 312e12, 80
+# LLaMA shapes (Touvron et al. 2023, Table 2): layers, hidden, SwiGLU width, heads; recomputation (AMSP §VI-A)
+MODELS = {"LLaMA-7B": (32, 4096, 11008, False), "LLaMA-13B": (40, 5120, 13824, False),
+          "LLaMA-30B": (60, 6656, 17920, True)}
+# AMSP Table IV (s_p, s_g, s_os) at R = 8 GPUs per node, N = 128 nodes; 30B's s_os^1 cell is lost in the
+# text, 1 is the only value its plan "from 8 GPUs upward" allows.
+PAPER = {"LLaMA-7B": (1, 1, 8), "LLaMA-13B": (4, 4, 8), "LLaMA-30B": (8, 8, 8)}
+MICS = {"LLaMA-7B": (8, 8, 8), "LLaMA-13B": (8, 8, 8), "LLaMA-30B": (16, 16, 16)}
+
+
+def workload(model: str, gpus: int) -> planner.Workload:
+  layers, h, ff, remat = MODELS[model]
+  accum = max(1024 // gpus, 1)
+  act = (2 * SEQ * h * layers + 34 * SEQ * h) if remat else 34 * SEQ * h * layers
+  act += 8 * SEQ * VOCAB
+  flops = accum * (72 * layers * h * h * SEQ * (1 + SEQ / (6 * h) + VOCAB / (12 * h * layers)))
+  flops *= (4 / 3) if remat else 1
+  return planner.Workload.transformer(layers=layers, d_model=h, d_ff=ff, vocab=VOCAB, accum=accum,
+                                      param_bytes=2, grad_bytes=2, opt_bytes_per_param=8,
+                                      compute_s=flops / PEAK, activation_bytes=act)
+
+
+def plan_name(row) -> str:
+  return f"({row['s_p']},{row['s_g']},{row['s_os']})"
+
+
+def brief(row: dict | None) -> dict | None:
+  keep = ("plan", "s_p", "s_g", "s_os", "T_comm", "T_step", "bytes_per_device", "fits")
+  return None if row is None else {k: row[k] for k in keep} | {"degrees": plan_name(row)}
+
+
+def report(gpus: int = 1024, profile: dict | None = None) -> dict:
+  nodes = gpus // 8
+  prof = profile if profile is not None else (links.amsp_a800() if gpus == 1024 else links.link_profile(
+      nodes, 8, b_gpu=200e9, b_node=100e9, source="AMSP §VI-A links"))
+  cap = CAP_GB * 1e9
+  out = {"gpus": gpus, "memory_cap_gb": CAP_GB, "seq": SEQ, "models": {}}
+  for model in MODELS:
+    work = workload(model, gpus)
+    rows = planner.rank(nodes, 8, work, prof, memory_cap_bytes=cap)
+    best = planner.choose(rows, cap)
+    find = lambda t, rows=rows: brief(next((r for r in rows if (r["s_p"], r["s_g"], r["s_os"]) == t), None))
+    out["models"][model] = {
+        "params": work.numel, "accum": work.accum, "compute_s": work.compute_s, "activation_bytes": work.activation_bytes,
+        "chosen": brief(best), "paper": find(PAPER[model]), "mics_paper": find(MICS[model]),
+        "zero3": find((gpus, gpus, gpus)), "zero1": find((1, 1, gpus)),
+        "top5_fit": [brief(r) for r in rows if r["fits"]][:5], "matches_paper": plan_name(best) == str(PAPER[model]).replace(" ", "")}
+  return out
+
+
+def markdown(reps: list[dict]) -> str:
+  lines = ["## AMSP planner on the paper's cluster (Table IV)", "",
+           ("`python benchmarks/bench_amsp_paper.py`: the profile written from the paper's link figures "
+           "(`zerojax/planner/profiles/amsp_a800_128x8.json`: NVLink 200 GB/s one way per GPU, 4 x HDR 200 Gb/s "
+           "per node, NCCL ring latencies; the same links for the 8-GPU node), LLaMA shapes only, sequence 4096, "
+           f"micro-batch 1, M = 1024 / GPUs micro-batches per step, memory cap {reps[0]['memory_cap_gb']} GB, "
+           "recomputation for 30B. (s_p, s_g, s_os) in devices; predicted T_comm and model states + activations "
+           "per device."), "",
+           ("| GPUs | model | planner's plan | T_comm s | GB/device | paper's AMSP plan (Table IV) | T_comm s | GB/device | "
+            "ZeRO-1 T_comm s | ZeRO-3 T_comm s | MiCS (Table IV) T_comm s |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for rep in reps:
+    lines += [_row(rep["gpus"], m, r) for m, r in rep["models"].items()]
+  return "\n".join(lines) + "\n"
+
+
+def _row(gpus: int, m: str, r: dict) -> str:
+  c, p = r["chosen"], r["paper"]
+  t = lambda x: "—" if x is None else f"{x['T_comm']:.3f}" + ("" if x["fits"] else " (over)")
+  return (f"| {gpus} | {m} | {c['degrees']} | {c['T_comm']:.3f} | {c['bytes_per_device'] / 1e9:.1f} | {p['degrees']} | "
+          f"{t(p)} | {p['bytes_per_device'] / 1e9:.1f} | {t(r['zero1'])} | {t(r['zero3'])} | {t(r['mics_paper'])} |")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--gpus", default="1024,8", help="GPUs of the paper's cluster to plan for (8 per node), "
+                  "comma-separated (the paper uses one plan at every scale)")
+  ap.add_argument("--write-profile", action="store_true", help=f"(re)write {PROFILE} from the link figures")
+  ap.add_argument("--results", default=None, help="RESULTS.md to write the section into")
+  args = ap.parse_args(argv)
+  if args.write_profile:
+    with open(PROFILE, "w") as f:
+      json.dump(links.amsp_a800(), f, indent=1)
+  reps = [report(int(g), planner.load_profile(PROFILE, 128, 8) if int(g) == 1024 else None)
+          for g in args.gpus.split(",") if g]
+  print(json.dumps(reps, indent=2))
+  if args.results:
+    sys.path.insert(0, HERE)
+    import bench_mics
+    bench_mics.write_section(args.results, markdown(reps), "## AMSP planner on the paper's cluster (Table IV)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

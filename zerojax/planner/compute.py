@@ -1,0 +1,115 @@
+"""The compute side of a plan's step: what a plan costs besides its bytes on the slow links.
+
+AMSP's cost model (§IV-C) charges communication only and every plan the same compute. Plans differ in
+compute too: sharded parameters (s_p > 1) are gathered in forward and again, with the unit's forward
+recomputed, in backward; sharded gradients (s_g > 1) are reduce-scattered every micro-step instead of
+accumulated in place; the optimizer updates Φ/s_os elements; qwZ/qgZ add quantize/dequantize kernels.
+The planner gets each plan's compute C(plan) in one of three ways (`mode`):
+
+  uniform   C = the DP step measured once, the same for every plan (AMSP as written).
+  anchors   (default) the step of a few anchor plans (DP, ZeRO-1, ZeRO-2, ZeRO-3, and ZeRO-3 + ZeRO++
+            when those are ranked) is measured in this process, and C(plan) = c · f(plan) is fitted on
+            them, with features f = (1, optimizer elements Φ/s_os, gradient bytes reduced per step when
+            s_g > 1, parameter bytes gathered per step when s_p > 1 (gather + recompute), bytes
+            quantized per step with ZeRO++). With one anchor per feature the fit is exact on the anchors.
+  measured  the step of every plan is measured in this process (`--measure_compute`).
+
+A step measured in this process runs every collective through memory, so it already holds the cost of
+the collectives inside a node; the planner then adds from the profile only the collectives whose groups
+span nodes (`cost.comm_time(..., spanning_only=True)`). On a cluster whose nodes are single processes
+(the emulated cluster, or one GPU node measured alone) this is the honest split: the in-node part is
+measured, the cross-node part is modelled.
+
+References:
+  AMSP: Chen et al. 2023, §IV-C (communication model), §V-C (recompute), Table V (overlap).
+  ZeRO++: Wang et al. 2023, §3 (qwZ/qgZ kernels).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from zerojax.planner.cost import Workload
+from zerojax.planner.space import Point
+
+MODES = ("uniform", "anchors", "measured")
+
+
+def anchors(world: int, zeropp: bool = False) -> list[Point]:
+  """DP, ZeRO-1, ZeRO-2, ZeRO-3 (one plan per feature), and ZeRO-3 + ZeRO++ when ZeRO++ is ranked."""
+  out = [Point(1, 1, 1), Point(1, 1, world), Point(1, world, world), Point(world, world, world)]
+  return out + ([Point(world, world, world, zeropp=True)] if zeropp else [])
+
+
+def features(pt: Point, work: Workload, zeropp: bool = False) -> np.ndarray:
+  """(1, Φ/s_os, gradient bytes reduced per step, parameter bytes gathered per step, bytes quantized)."""
+  per_step = work.accum * work.numel
+  f = [1.0, work.numel / pt.s_os, float(work.grad_bytes * per_step) if pt.s_g > 1 else 0.0,
+       float(2 * work.param_bytes * per_step) if pt.s_p > 1 else 0.0]
+  if zeropp:
+    f.append(float(3 * per_step) if pt.zeropp else 0.0)  # qwZ forward gather + qgZ, about 3 bytes/element
+  return np.array(f)
+
+
+def fit(measured: dict[Point, float], work: Workload, zeropp: bool = False) -> np.ndarray:
+  """Least-squares coefficients of `features` on the measured anchors (negative ones set to 0)."""
+  pts = list(measured)
+  x = np.stack([features(p, work, zeropp) for p in pts])
+  y = np.array([measured[p] for p in pts])
+  scale = np.maximum(np.abs(x).max(axis=0), 1.0)
+  coef = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
+  return np.maximum(coef, 0.0)
+
+
+def predict(coef: np.ndarray, pt: Point, work: Workload, zeropp: bool = False) -> float:
+  return float(features(pt, work, zeropp) @ coef)
+
+
+def measure(executor, batch, reps: int = 3) -> tuple[float, int]:
+  """Median seconds of the executor's step in this process (after a warm-up) and the compiled step's
+  activation and temporary bytes per device (XLA's memory analysis)."""
+  state = executor.init(jax.random.key(0))
+  step = executor.step_fn()
+  batch = jax.device_put(batch, executor.batch_sharding)
+  compiled = step.lower(state, batch).compile()
+  temp = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0)
+  state, m = step(state, batch)
+  m.loss.block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    m.loss.block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), int(temp)
+
+
+def per_plan(make_executor, points: list[Point], nodes: int, gpus: int, work: Workload, batch, *,
+             mode: str = "anchors", zeropp: bool = False, reps: int = 3, log=None) -> dict:
+  """{"mode", "compute_s": {plan name: s}, "temp_bytes": {plan name: bytes}, "measured": {name: s},
+  "dp_s"}: each point's compute in `mode`. `make_executor(Plan)` builds an executor on this process's
+  devices; `points` are the plans to rank."""
+  if mode not in MODES:
+    raise ValueError(f"compute mode {mode!r} is not one of {MODES}; use 'anchors' (default) or 'measured'")
+  world = nodes * gpus
+  todo = points if mode == "measured" else anchors(world, zeropp) if mode == "anchors" else [Point(1, 1, 1)]
+  seconds, temp = {}, {}
+  for i, pt in enumerate(todo):
+    s, t = measure(make_executor(pt.plan(nodes, gpus)), batch, reps)
+    seconds[pt], temp[pt.name(world)] = s, t
+    if log:
+      log(f"zerojax: planner: compute [{i + 1}/{len(todo)}] {pt.name(world)}: {s:.3f} s/step in this process")
+  dp_s = seconds.get(Point(1, 1, 1))
+  if mode == "measured":
+    compute = {pt.name(world): seconds[pt] for pt in points}
+  elif mode == "anchors":
+    coef = fit(seconds, work, zeropp)
+    compute = {pt.name(world): predict(coef, pt, work, zeropp) for pt in points}
+  else:
+    compute = {pt.name(world): dp_s for pt in points}
+  worst = max(temp.values())  # plans not measured: the largest measured activation/temporary bytes
+  return {"mode": mode, "compute_s": compute, "dp_s": dp_s, "measured": {p.name(world): s for p, s in seconds.items()},
+          "temp_bytes": {pt.name(world): temp.get(pt.name(world), worst) for pt in points}}
