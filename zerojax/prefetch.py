@@ -24,15 +24,25 @@ References:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from zerojax import comm
-from zerojax.unit import (ShardedUnit, UnitMeta, _after, _check_collectives, _gather_flats, _reduce,
-                          _secondary_shards, _tree, unit)
+from zerojax.unit import (
+  ShardedUnit,
+  UnitMeta,
+  _after,
+  _check_collectives,
+  _gather_flats,
+  _reduce,
+  _secondary_shards,
+  _tree,
+  unit,
+)
 
 
 def scan_layers(f: Callable, params: Any, x: Any) -> Any:
