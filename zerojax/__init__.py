@@ -5,10 +5,11 @@ from zerojax.mesh import initialize_distributed, make_mesh
 from zerojax.models.linen import from_linen, linen_rngs
 from zerojax.models.nnx import from_nnx
 from zerojax.plan import PLANS, Plan, Radius, amsp, dp, mics, radius, zero1, zero2, zero3, zeropp
+from zerojax.prefetch import scan_layers
 from zerojax.unit import ShardedUnit, unit
 
 __all__ = [
     "Executor", "Model", "RadiusState", "StepMetrics", "TrainState", "check_elementwise", "Layout", "LeafLayout",
     "initialize_distributed", "make_mesh", "PLANS", "Plan", "Radius", "amsp", "dp", "mics", "radius", "zero1",
-    "zero2", "zero3", "zeropp", "ShardedUnit", "unit", "from_linen", "from_nnx", "linen_rngs",
+    "zero2", "zero3", "zeropp", "ShardedUnit", "unit", "scan_layers", "from_linen", "from_nnx", "linen_rngs",
 ]

@@ -117,7 +117,7 @@ class Executor:
     tree = self.layout.tree()
     for u in tree:
       leaves, treedef = jax.tree.flatten(tree[u], is_leaf=layout_lib.is_layout)
-      self._metas[u] = UnitMeta(plan, sizes, treedef, tuple(leaves))
+      self._metas[u] = UnitMeta(plan, sizes, treedef, tuple(leaves), scanned=u in model.scanned)
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
     self._checked = False

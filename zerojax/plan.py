@@ -132,6 +132,10 @@ class Plan:
     replica_sync: how gradients are all-reduced over the replica axes: None, densely; `radius(...)`,
       Radius's periodic top-k with a residual (`Radius`). Radius syncs after the accumulation window
       (select and sparse steps do not use `sync_in_backward`; its dense warm-up steps do).
+    prefetch: inside a scanned unit run by `zerojax.scan_layers`, gather layer i+1 while layer i computes
+      (forward), and in backward gather layer i-1 and reduce layer i+1's gradient while layer i's
+      backward runs (`zerojax.prefetch`). At most two gathered layers are alive. False: each layer
+      gathers when it runs. Same numbers either way.
   """
   name: str = "zero3"
   param_axes: Axes = AXES
@@ -151,8 +155,11 @@ class Plan:
   qgz_stages: int = 1
   kernel_backend: str | None = None
   replica_sync: Radius | None = None
+  prefetch: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.prefetch, bool):
+      raise ValueError(f"plan {self.name!r}: prefetch={self.prefetch!r}; use True or False")
     if self.replica_sync is not None and not isinstance(self.replica_sync, Radius):
       raise ValueError(f"plan {self.name!r}: replica_sync={self.replica_sync!r}; use None (dense all-reduce) "
                        "or radius(density=..., period=..., dense_steps=...)")

@@ -44,6 +44,7 @@ class UnitMeta:
   # MiCS §3.4 overlapped: in the last micro-step of a window, the backward also all-reduces the reduced
   # gradient plus the window's accumulation (the sink's value) over these replica axes.
   sync_axes: tuple[str, ...] = ()
+  scanned: bool = False  # leaves lead with a layer axis (a scanned unit)
   calls: list = dataclasses.field(default_factory=list, init=False, compare=False, hash=False, repr=False)
 
   def size(self, axes: tuple[str, ...]) -> int:
@@ -235,6 +236,10 @@ def unit(f: Callable) -> Callable:
   @functools.wraps(f)
   def apply(params, *args, **kwargs):
     if isinstance(params, ShardedUnit):
+      if params.meta.plan.prefetch and params.meta.scanned:
+        raise ValueError(f"Plan.prefetch=True: a scanned unit's layers are called one by one (lax.scan or "
+                         f"flax nn.scan) by {getattr(f, '__qualname__', f)}; run the stack with "
+                         "zerojax.scan_layers(f, params, x), or set prefetch=False")
       params.meta.calls.append(f)
       leaves, treedef = jax.tree.flatten((args, kwargs))
       g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))

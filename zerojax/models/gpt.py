@@ -13,9 +13,9 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from zerojax.executor import Model
+from zerojax.prefetch import scan_layers
 from zerojax.unit import unit
 
 
@@ -79,13 +79,13 @@ def gpt(cfg: GPTConfig = GPTConfig()) -> Model:
                  "w_out": 0.02 * jax.random.normal(k_out, (cfg.d_model, cfg.vocab_size))},
     }
 
-  block_fn = unit(lambda p, x: block.apply({"params": p}, x))
+  block_fn = lambda p, x: block.apply({"params": p}, x)
   embed_fn, head_fn = unit(_embed), unit(_head_loss)
 
   def loss(params, tokens):
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     x = embed_fn(params["embed"], inputs)
-    x, _ = lax.scan(lambda x, p: (block_fn(p, x), None), x, params["blocks"])
+    x = scan_layers(block_fn, params["blocks"], x)
     return head_fn(params["head"], x, targets)
 
   return Model(init=init, loss=loss, scanned=frozenset({"blocks"}))
