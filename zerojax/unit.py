@@ -103,7 +103,7 @@ def _reduce(meta: UnitMeta, grads: Any) -> list:
   sizes = tuple(dict(meta.axis_sizes)[a] for a in plan.grad_order)
   return comm.reduce_scatter_unit(flats, plan.grad_order, sizes, bits=plan.grad_bits,
                                          block=plan.grad_block, stages=plan.qgz_stages,
-                                         backend=plan.kernel_backend)
+                                         backend=plan.kernel_backend, all_to_all=plan.gradient_all_to_all)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
