@@ -30,12 +30,12 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zerojax import mesh as mesh_lib
+from zerojax import mesh as mesh_lib, remat
 from zerojax.mesh import AXES
 
 Axes = tuple[str, ...] | int  # mesh axes by name, or a group of that many consecutive devices
 REDUCE_VIA = ("auto", "all_to_all", "reduce_scatter")
-REMAT = ("full", "dots", "none")
+REMAT = remat.MODES
 
 
 def _axes(axes: Sequence[str] | str | int) -> Axes:
