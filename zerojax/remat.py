@@ -17,7 +17,8 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -42,7 +43,7 @@ def _tag_activations(f: Callable, mode: str) -> Callable:
     closed, shape = jax.make_jaxpr(f, return_shape=True)(tree, *args)
     jaxpr, n_w = closed.jaxpr, len(jax.tree.leaves(tree))
     env, acts = {}, set()
-    read = lambda v: v.val if hasattr(v, "val") else env[v]  # noqa: E731  (a Literal, or a Var)
+    read = lambda v: v.val if hasattr(v, "val") else env[v]  # a Literal, or a Var
     for i, (v, x) in enumerate(zip(jaxpr.invars, jax.tree.leaves((tree, args)))):
       env[v] = x
       if i >= n_w:
