@@ -179,3 +179,11 @@ def test_prefetch_refuses_layers_called_one_by_one():
 def test_prefetch_must_be_a_bool():
   with pytest.raises(ValueError, match="prefetch"):
     zerojax.zero3(prefetch="yes")
+
+
+def test_prefetch_recomputes_the_forward():
+  """Prefetch's backward re-runs each layer's forward: remat resolves to "full", and other modes are refused."""
+  assert zerojax.zero3(prefetch=True).remat_mode == "full"
+  assert zerojax.dp(prefetch=True).remat_mode == "full"
+  with pytest.raises(ValueError, match="remat='none' with prefetch"):
+    zerojax.zero3(prefetch=True, remat="none")

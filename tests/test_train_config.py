@@ -28,7 +28,8 @@ def test_plan_names_tell_every_config_apart(clean_gin):
   expected = {"dp": "dp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "mics": "mics",
               "qwz": "zero3+qwZ(int8)", "hpz": "zero3+hpZ(gpu)", "qgz": "zero3+qgZ(int4)",
               "zeropp": "zero3+qwZ(int8)+hpZ(gpu)+qgZ(int4)", "auto": "auto", "mics_2node": "mics(group=8)",
-              "mics_qgz": "mics(group=8)+qgZ(int8)", "mics_hpz": "mics(group=8)+hpZ(gpu)"}
+              "mics_qgz": "mics(group=8)+qgZ(int8)", "mics_hpz": "mics(group=8)+hpZ(gpu)",
+              "zero3_bf16grad": "zero3+grads(bfloat16)"}
   assert {k: names[k] for k in expected} == expected
   assert report.describe_plan(zeropp(weight_bits=4, weight_block=0, secondary_axes=None, grad_bits=8)) == \
       "zero3+qwZ(int4,per-shard)+qgZ(int8)"

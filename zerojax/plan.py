@@ -30,10 +30,12 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zerojax import mesh as mesh_lib
+from zerojax import mesh as mesh_lib, remat
 from zerojax.mesh import AXES
 
 Axes = tuple[str, ...] | int  # mesh axes by name, or a group of that many consecutive devices
+REDUCE_VIA = ("auto", "all_to_all", "reduce_scatter")
+REMAT = remat.MODES
 
 
 def _axes(axes: Sequence[str] | str | int) -> Axes:
@@ -114,7 +116,23 @@ class Plan:
     param_dtype: dtype of the parameters on the wire (and in compute unless `compute_dtype` is set).
     compute_dtype: dtype the gathered parameters are cast to before the unit's computation (None:
       `param_dtype`). E.g. bf16 on the wire with fp32 compute, faster than bf16 math on CPUs.
-    reduce_dtype: dtype gradients are reduced and accumulated in (fp32).
+    reduce_dtype: dtype gradients are reduced and accumulated in (fp32). 16-bit (bf16/fp16) is
+      DeepSpeed's ZeRO-3 default (`communication_data_type`) and the baseline of ZeRO++'s evaluation.
+    reduce_via: how a unit's unquantized gradient is reduce-scattered over A_g: "reduce_scatter" (one
+      `psum_scatter`, a ring on GPUs), "all_to_all" (qgZ's two hops, inside the node then across nodes,
+      moving the gradient's raw words and summing in fp32: `comm.reduce.all_to_all_reduce_scatter`), or
+      "auto" (the default): "all_to_all" when `reduce_dtype` is 16-bit, so 16-bit gradients stay 16 bits
+      on the wire on every backend (XLA:CPU widens a 16-bit reduce-scatter to fp32), else
+      "reduce_scatter". Ignored with qgZ (`grad_bits`), which is its own all-to-all.
+    remat: what a unit's backward recomputes. "full": the whole forward, from the unit's inputs and the
+      re-gathered weights (ZeRO-3's default: nothing but the inputs is kept between forward and
+      backward). "dots": keeps the outputs of the matmuls with the weights
+      (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and recomputes the rest. "none": keeps
+      every residual of the forward and recomputes nothing. In every mode the backward re-gathers the
+      weights (hpZ: from the secondary shard) instead of keeping them: residuals that are the gathered
+      weights themselves are dropped after the forward, so "dots" and "none" cost activation memory
+      (per layer, for the whole backward), never gathered weights. None (the default): "none" when the
+      parameters are not sharded (DP, ZeRO-1/2: weights resident, nothing to re-gather), else "full".
     weight_bits: qwZ (ZeRO++ §3.1): the forward all-gather moves block-quantized values of this many
       bits (8 or 4) and their scales; None gathers in `param_dtype`.
     weight_block: elements per qwZ quantization block; 0 = one scale per shard (non-blocked, the
@@ -145,6 +163,8 @@ class Plan:
   sync_in_backward: bool = False
   param_dtype: str = "bfloat16"
   reduce_dtype: str = "float32"
+  reduce_via: str = "auto"
+  remat: str | None = None
   compute_dtype: str | None = None
   weight_bits: int | None = None
   weight_block: int = 256
@@ -167,6 +187,7 @@ class Plan:
       if getattr(self, f) is not None:
         object.__setattr__(self, f, _axes(getattr(self, f)))
     self._check_zeropp()
+    self._check_modes()
     for f in ("param_axes", "grad_axes", "opt_axes"):
       axes = getattr(self, f)
       if not isinstance(axes, int) and len(set(axes)) != len(axes):
@@ -216,6 +237,34 @@ class Plan:
     if self.grad_bits and not self.grad_axes:
       raise ValueError(f"plan {self.name!r}: qgZ (grad_bits) quantizes the gradient reduce-scatter, but "
                        "grad_axes is empty; shard the gradients (zero2/zero3/mics) or drop grad_bits")
+
+  def _check_modes(self) -> None:
+    for f, allowed in (("reduce_via", REDUCE_VIA), ("remat", (None, *REMAT))):
+      if getattr(self, f) not in allowed:
+        raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)!r}; use one of {allowed}")
+    if self.grad_bits and self.reduce_via != "auto":
+      raise ValueError(f"plan {self.name!r}: reduce_via={self.reduce_via!r} with qgZ (grad_bits={self.grad_bits}), "
+                       "which is its own 2-hop all-to-all; leave reduce_via='auto'")
+    if self.prefetch and self.remat not in (None, "full"):
+      raise ValueError(f"plan {self.name!r}: remat={self.remat!r} with prefetch=True, whose backward recomputes "
+                       "each layer's forward; use remat='full' (or None) with prefetch, or prefetch=False")
+
+  @property
+  def gradient_all_to_all(self) -> bool:
+    """Whether unquantized gradients are reduced by the 2-hop all-to-all (`reduce_via`)."""
+    if self.reduce_via == "auto":
+      dtype = jnp.dtype(self.reduce_dtype)
+      return dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+    return self.reduce_via == "all_to_all"
+
+  @property
+  def remat_mode(self) -> str:
+    """`remat`, with None resolved: "none" without sharded parameters (and without prefetch), else "full"."""
+    if self.remat is not None:
+      return self.remat
+    if self.prefetch:
+      return "full"
+    return "none" if self.param_axes in ((), 1) else "full"
 
   @property
   def alignment(self) -> int:
@@ -316,8 +365,14 @@ def zero2(**kw) -> Plan:
 
 
 def zero3(**kw) -> Plan:
-  """ZeRO stage 3 (ZeRO §5.3): parameters, gradients and optimizer states sharded over all devices."""
-  return Plan(name="zero3", param_axes=AXES, grad_axes=AXES, opt_axes=AXES, **kw)
+  """ZeRO stage 3 (ZeRO §5.3): parameters, gradients and optimizer states sharded over all devices.
+
+  `zero3(reduce_dtype="bfloat16")` is ZeRO-3 as DeepSpeed runs it by default and as ZeRO++'s evaluation
+  compares against (16-bit gradients, reduced in 16 bits on the wire: `Plan.reduce_via`);
+  `configs/zero3_bf16grad.gin`.
+  """
+  kw.setdefault("name", "zero3")
+  return Plan(param_axes=AXES, grad_axes=AXES, opt_axes=AXES, **kw)
 
 
 def mics(group_size: int | None = None, hierarchical: bool | None = None, **kw) -> Plan:

@@ -7,7 +7,8 @@ executor's `shard_map` the params are a `ShardedUnit`, and the call becomes a `j
 - forward: all-gather the unit's parameters over the plan's param axes A_p (qwZ: int8/int4 values and
   block scales, dequantized on arrival), run `f`; keep as residual only the local shard (hpZ: the
   secondary shard) and the inputs, never the gathered weights;
-- backward: re-gather (hpZ: over the secondary axes only, inside the node), recompute `f`'s VJP, reduce
+- backward: re-gather (hpZ: over the secondary axes only, inside the node), recompute `f`'s VJP (or,
+  with `Plan.remat` "dots"/"none", reuse the activations the forward saved: `zerojax.remat`), reduce
   the full local gradient over the gradient axes A_g (qgZ: 2-hop quantized all-to-all)
   and return it as the cotangent of the unit's *gradient sink*, a zero placeholder shaped like the G
   shard. The executor differentiates with respect to the sinks, so A_g may shard more finely than A_p
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zerojax import comm
+from zerojax import comm, remat
 from zerojax.layout import LeafLayout, pad_flat, trim_flat
 from zerojax.mesh import owner_index
 from zerojax.plan import Plan
@@ -104,7 +105,7 @@ def _reduce(meta: UnitMeta, grads: Any) -> list:
   sizes = tuple(dict(meta.axis_sizes)[a] for a in plan.grad_order)
   return comm.reduce_scatter_unit(flats, plan.grad_order, sizes, bits=plan.grad_bits,
                                          block=plan.grad_block, stages=plan.qgz_stages,
-                                         backend=plan.kernel_backend)
+                                         backend=plan.kernel_backend, all_to_all=plan.gradient_all_to_all)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -134,7 +135,12 @@ def _sharded_fwd(f, meta, shards, sinks, *args):
   # Residual: the primary shard, or with hpZ the secondary shard of the (dequantized) gathered weights,
   # so the backward uses exactly the forward's weights. Never the full gathered weights.
   kept = _secondary_shards(meta, flats) if meta.plan.secondary_axes else shards
-  return f(_tree(meta, flats), *args), (kept, args, sinks if meta.sync_axes else None)
+  window = sinks if meta.sync_axes else None
+  mode = meta.plan.remat_mode
+  if mode == "full":  # the backward recomputes the forward from the inputs
+    return f(_tree(meta, flats), *args), (kept, args, window)
+  out, saved = remat.forward(f, mode, _tree(meta, flats), *args)  # activations, no weights
+  return out, (kept, saved, window)
 
 
 def _sharded_bwd(f, meta, residuals, g):
@@ -147,7 +153,10 @@ def _sharded_bwd(f, meta, residuals, g):
     flats = comm.all_gather_unit(kept, meta.plan.secondary_axes, hierarchical=meta.plan.hierarchical)
   else:
     flats = _gather_flats(meta, kept, backward=True)
-  _, vjp = jax.vjp(f, _tree(meta, flats), *args)
+  if isinstance(args, remat.Saved):  # remat "dots" / "none": the forward's vjp, re-gathered weights in
+    vjp = args.vjp_with(_tree(meta, flats))
+  else:
+    _, vjp = jax.vjp(f, _tree(meta, flats), *args)
   dparams, *dargs = vjp(g)
   k_p = meta.size(meta.plan.param_axes)
   dshards = [jnp.zeros((l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]

@@ -88,7 +88,10 @@ def main(argv=None) -> None:
         f.write(text)
     out = {"config": {"gin_files": args.gin_file, "gin_params": args.gin_param, "plan": ex.plan.name, "phase": phase,
                       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "param_dtype": ex.plan.param_dtype,
-                      "reduce_dtype": ex.plan.reduce_dtype, "accum_steps": ex.accum_steps,
+                      "reduce_dtype": ex.plan.reduce_dtype, "remat": ex.plan.remat_mode,
+                      "gradient_reduction": ("qgz" if ex.plan.grad_bits else "all_to_all"
+                                             if ex.plan.gradient_all_to_all else "reduce_scatter"),
+                      "accum_steps": ex.accum_steps,
                       "batch_size": train_args["batch_size"], "seq_len": cfg.seq_len}}
     out.update(step_report(ex, step_collectives(ex, hlo_text=text)))
     if not args.json:

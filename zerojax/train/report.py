@@ -50,6 +50,10 @@ def _techniques(plan) -> list[str]:
     parts.append(f"hpZ({sec if isinstance(sec, int) else ','.join(sec)})")
   if plan.grad_bits:
     parts.append(f"qgZ(int{plan.grad_bits}{'' if plan.grad_block else ',per-shard'})")
+  elif getattr(plan, "reduce_dtype", "float32") != "float32":
+    parts.append(f"grads({plan.reduce_dtype})")
+  if getattr(plan, "remat", None) is not None:
+    parts.append(f"remat({plan.remat})")
   return parts
 
 
