@@ -40,8 +40,22 @@ def rate_bytes_per_s(rate: str) -> float | None:
   return float(m.group(1)) * RATE_BITS[m.group(2)] / 8 if m else None
 
 
-def plans_for(nodes: int, gpus: int) -> dict[str, list[str]]:
+OVERLAP = {  # --set overlap: the fair ZeRO-3 baseline and prefetch against ZeRO++ (the overlap issue's table)
+    "zero3": ["train.plan=@zero3()"],
+    "zero3_bf16grad": ["train.plan=@zero3()", "zero3.reduce_dtype='bfloat16'"],
+    "zero3_prefetch": ["train.plan=@zero3()", "zero3.prefetch=True"],
+    "zero3_bf16grad_prefetch": ["train.plan=@zero3()", "zero3.reduce_dtype='bfloat16'", "zero3.prefetch=True"],
+    "zeropp": ["train.plan=@zeropp()"],
+    "zeropp_prefetch": ["train.plan=@zeropp()", "zeropp.prefetch=True"],
+}
+TITLES = {"mics": "## MiCS partition groups on the emulated cluster",
+          "overlap": "## Overlap: T against C and W, 16-bit ZeRO-3 and prefetch"}
+
+
+def plans_for(nodes: int, gpus: int, which: str = "mics") -> dict[str, list[str]]:
   """Config name -> gin params, for every plan compared on a nodes x gpus cluster."""
+  if which == "overlap":
+    return dict(OVERLAP)
   world = nodes * gpus
   out = {"zero3": ["train.plan=@zero3()"], "zeropp": ["train.plan=@zeropp()"]}
   groups = [g for g in range(2, world + 1) if gpus % g == 0 or (g % gpus == 0 and nodes % (g // gpus) == 0)]
@@ -87,7 +101,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-  lines = ["## MiCS partition groups on the emulated cluster", "",
+  lines = [TITLES[report.get("set", "mics")], "",
            f"{report['date']}, {report['cpus']} CPU cores, default GPT, batch 32, `benchmarks/bench_mics.py "
            f"{' '.join(report['argv'])}`. Medians of {report['reps']} interleaved repetitions (min–max in "
            "brackets). C: the same plan's step time on unshaped links; W: measured cross-node payload bytes "
@@ -119,6 +133,8 @@ def main(argv=None) -> int:
   ap.add_argument("--accum", default="1,4", help="train.accum_steps values")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--steps", type=int, default=8)
+  ap.add_argument("--set", default="mics", choices=sorted(TITLES), help="which plans: MiCS groups, or the "
+                  "overlap table (ZeRO-3 fp32/bf16 gradients, prefetch, ZeRO++)")
   ap.add_argument("--plans", default=None, help="only these plan names (see plans_for)")
   ap.add_argument("--flat_accum", type=int, default=4, help="run the flat-gather variants at this accumulation only")
   ap.add_argument("--gin_param", action="append", default=[])
@@ -134,12 +150,12 @@ def main(argv=None) -> int:
   only = set(args.plans.split(",")) if args.plans else None
   keep = lambda name, accum: (not only or name in only) and (not name.endswith("_flat") or accum == args.flat_accum)
   runs = []
-  total = args.reps * sum(len(rates) * len([p for a in accums for p in plans_for(*s) if keep(p, a)]) for s in shapes)
+  total = args.reps * sum(len(rates) * len([p for a in accums for p in plans_for(*s, args.set) if keep(p, a)]) for s in shapes)
   for rep in range(args.reps):
     for nodes, gpus in shapes:
       for accum in accums:
         for rate in rates:
-          for name, params in plans_for(nodes, gpus).items():
+          for name, params in plans_for(nodes, gpus, args.set).items():
             if not keep(name, accum):
               continue
             r = run_one(nodes, gpus, rate, accum, params, args)
@@ -148,10 +164,10 @@ def main(argv=None) -> int:
             print(f"bench_mics: [{len(runs)}/{total}] {nodes}x{gpus} accum {accum} {rate} {name}: "
                   f"{r['median_step_time_s']:.3f} s/step", file=sys.stderr, flush=True)
   report = {"argv": sys.argv[1:] if argv is None else list(argv), "date": datetime.date.today().isoformat(),
-            "cpus": os.cpu_count(), "reps": args.reps, "runs": runs, "rows": summarize(runs)}
+            "cpus": os.cpu_count(), "reps": args.reps, "set": args.set, "runs": runs, "rows": summarize(runs)}
   with open(args.json, "w") as f:
     json.dump(report, f, indent=2)
-  write_section(args.results, markdown(report))
+  write_section(args.results, markdown(report), TITLES[args.set])
   print(json.dumps(report["rows"], indent=2))
   return 0
 
