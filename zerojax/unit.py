@@ -84,7 +84,8 @@ def _gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
   plan = meta.plan
   bits = plan.weight_bits if (not backward or plan.quantize_backward_gather) else None
   return comm.all_gather_unit(shards, plan.param_axes, bits=bits, block=plan.weight_block,
-                              backend=plan.kernel_backend, hierarchical=plan.hierarchical)
+                              backend=plan.kernel_backend, hierarchical=plan.hierarchical,
+                              rotate=plan.rotate and bits is not None)
 
 
 def _tree(meta: UnitMeta, flats: list) -> Any:

@@ -49,7 +49,10 @@ def _techniques(plan) -> list[str]:
     sec = plan.secondary_axes
     parts.append(f"hpZ({sec if isinstance(sec, int) else ','.join(sec)})")
   if plan.grad_bits:
-    parts.append(f"qgZ(int{plan.grad_bits}{'' if plan.grad_block else ',per-shard'})")
+    bits = "/".join(f"int{b}" for b in dict.fromkeys(plan.hop_bits))
+    extra = [n for f, n in (("rotate", "rot"), ("grad_error_feedback", "ef"), ("stochastic_rounding", "sr"))
+             if getattr(plan, f)]
+    parts.append(f"qgZ({','.join([bits] + ([] if plan.grad_block else ['per-shard']) + extra)})")
   return parts
 
 
