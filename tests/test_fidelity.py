@@ -9,15 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zerojax
 from pallas_kernels import hadamard
-from zerojax import layout as layout_lib, plan as plans, quantization as q
-from zerojax.comm import qgz
-from zerojax.train import state_spec
 from tests import helpers
 from tests.test_zeropp import data
+from zerojax import layout as layout_lib
+from zerojax import plan as plans
+from zerojax import quantization as q
+from zerojax.comm import qgz
+from zerojax.train import state_spec
 
 BLOCK = 32
 ALL = ("node", "gpu")
@@ -77,7 +80,7 @@ def test_backends_bitwise_equal_with_rotation_and_noise(bits):
   slab = hadamard.uniform(jax.random.key(3), (2, 2 * BLOCK))
   out = {}
   for backend in ("xla", "pallas"):
-    kw = dict(backend=backend)
+    kw = {"backend": backend}
     v, s = q.quantize(x, bits, BLOCK, rotate=True, noise=u, **kw)
     rv, rs = q.reorder_quantize(x, 2, 4, bits, BLOCK, stages=2, rotate=True, noise=u, **kw)
     out[backend] = [v, s, q.dequantize(v, s, bits, BLOCK, rotate=True, **kw), rv, rs,
@@ -129,7 +132,7 @@ def test_error_feedback_conserves_what_was_dropped(rotate, bits, stages):
   # e_node of device (n, g): [stages, N, c / stages], the partial sums for owners (n', g)
   node = e_node.reshape(nodes, gpus, stages, nodes, -1)
   if rotate:
-    fwd, inv = hadamard.scales(BLOCK)
+    inv = hadamard.scales(BLOCK)[1]
     node = np.asarray(hadamard.fwht_rows(jnp.asarray(node.reshape(-1, BLOCK)), inv)).reshape(node.shape)
   node = node.sum(0).transpose(2, 0, 1, 3).reshape(w, c)  # summed over the nodes that sent it; owner-major
   total = out.reshape(w, c) + e_send.sum(0).reshape(w, c) + node
@@ -150,10 +153,10 @@ def test_stochastic_rounding_in_qgz_is_reproducible_and_unbiased_over_seeds():
 # --- plans and the executor -------------------------------------------------------------------------
 
 def test_plan_field_errors():
-  for kw, match in [(dict(grad_bits=(8, 2)), "grad_bits"), (dict(grad_bits=None, grad_error_feedback=True), "grad_bits"),
-                    (dict(grad_bits=None, stochastic_rounding=True), "grad_bits"),
-                    (dict(weight_bits=None, grad_bits=None, rotate=True), "neither"),
-                    (dict(grad_block=48, rotate=True), "power-of-two grad_block")]:
+  for kw, match in [({"grad_bits": (8, 2)}, "grad_bits"), ({"grad_bits": None, "grad_error_feedback": True}, "grad_bits"),
+                    ({"grad_bits": None, "stochastic_rounding": True}, "grad_bits"),
+                    ({"weight_bits": None, "grad_bits": None, "rotate": True}, "neither"),
+                    ({"grad_block": 48, "rotate": True}, "power-of-two grad_block")]:
     with pytest.raises(ValueError, match=match):
       plans.zeropp(**kw)
   assert plans.zeropp(grad_bits=[8, 4]).hop_bits == (8, 4) and plans.zeropp().hop_bits == (4, 4)

@@ -21,7 +21,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from zerojax import mesh as mesh_lib
 from zerojax.plan import Plan

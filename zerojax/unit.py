@@ -114,8 +114,8 @@ def _reduce(meta: UnitMeta, grads: Any, qgz: tuple = (None, None)):
                      "which only zerojax's own models pass (not the flax adapters yet); drop them for this model")
   fidelity = {}
   if plan.grad_bits:
-    fidelity = dict(rotate=plan.rotate, error=error,
-                    key=None if seed is None else jax.random.wrap_key_data(seed))
+    fidelity = {"rotate": plan.rotate, "error": error,
+                "key": None if seed is None else jax.random.wrap_key_data(seed)}
   return comm.reduce_scatter_unit(flats, plan.grad_order, sizes, bits=plan.grad_bits,
                                          block=plan.grad_block, stages=plan.qgz_stages,
                                          backend=plan.kernel_backend, **fidelity)
