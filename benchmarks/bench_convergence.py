@@ -113,7 +113,8 @@ def main():
   ap.add_argument("--seeds", default="0", help="comma-separated train.seed values, e.g. 0,1,2")
   ap.add_argument("--png", default=os.path.join(ROOT, "benchmarks", "convergence.png"))
   ap.add_argument("--gin_param", action="append", default=[])
-  ap.add_argument("--params", type=int, default=880_000, help="model parameters, for the wire bytes")
+  ap.add_argument("--params", type=int, default=937_984,
+                  help="padded parameters of the model (the default config's), for the wire bytes")
   args = ap.parse_args()
   names = GROUPS.get(args.variants) or args.variants.split(",")
   unknown = [n for n in names if n not in VARIANTS]

@@ -17,6 +17,12 @@ Non-finite inputs: a block holding NaN or +-Inf gets scale = +inf and codes 0, s
 NaN (0 * inf) and the step's non-finite check catches it; an all-zero block gets scale 0 and codes 0
 and dequantizes to exact zeros. Codes are 0 wherever the scale is 0 or not finite.
 
+Two options (off by default, and then nothing changes): `rotate` multiplies each block by a Hadamard
+matrix before quantizing and back after dequantizing (`pallas_kernels.hadamard`: fixed butterflies,
+the same bits everywhere; inside the Pallas kernels, around the triton ones); `noise` (uniform in
+(0, 1), shaped like the input) rounds stochastically, `floor(x / scale + u)`, unbiased (xla and
+Pallas; the triton kernels refuse it).
+
 Three backends compute the same arithmetic and agree bit for bit: "xla" (plain jnp, this file, the
 reference and the default), "pallas" (`pallas_kernels.block_quant`, interpreted on CPU) and
 "triton" (`pallas_kernels.triton_block_quant`, GPU only). Pick one per call with `backend=` or for
@@ -26,6 +32,7 @@ References:
   ZeRO++: Wang et al. 2023, §3.1 (block-based quantization), §3.3 (qgZ), §4.1.2 Algorithm 2
   (generalized tensor slice reordering), §4.2 (fused kernels: reorder+quantize and
   dequantize+reduce+quantize).
+  SDP4Bit: Jia et al. 2024, §3.2 (Hadamard rotation before 4-bit quantization).
 """
 from __future__ import annotations
 
