@@ -35,6 +35,11 @@ VARIANTS = {
     "int4+rotate": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.rotate=True"],
     "int4+sr": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.stochastic_rounding=True"],
     "int4+hops": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)"],
+    "int4+hops+rotate": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)", "zeropp.rotate=True"],
+    "int4+hops+sr": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
+                     "zeropp.stochastic_rounding=True"],
+    "int4+hops+ef": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
+                     "zeropp.grad_error_feedback=True"],
     "int4_best": ["configs/zeropp_int4.gin"],
 }
 GROUPS = {"zeropp": ["zero3", "qwz", "hpz", "qgz", "qwz+hpz", "zeropp", "zeropp_nonblocked"],
