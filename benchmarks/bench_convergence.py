@@ -7,8 +7,9 @@ a PNG of the loss curves.
 
 The int4 ablation (`--variants int4`): int4 weights and int4 gradients (`int4`: ZeRO++ with
 weight_bits=4), then each fidelity option alone (`+ef` error feedback, `+rotate`, `+sr` stochastic
-rounding, `+hops` int8 intra-node / int4 inter-node) and the best combination (`int4_best`, which is
-`configs/zeropp_int4.gin`), against ZeRO-3 and ZeRO++'s default. Each variant's per-step wire bytes per
+rounding, `+hops` int8 intra-node / int4 inter-node), pairs and triples with `+hops`, and the best
+combination (`int4_best`, which is `configs/zeropp_int4.gin`: int4 weights, hops, rotation), against
+ZeRO-3 and ZeRO++'s default. Each variant's per-step wire bytes per
 device (all and cross-node) are computed from the plan's formats (`wire_bytes`).
 
   python benchmarks/bench_convergence.py [--steps 200] [--seeds 0,1,2] [--variants zeropp|int4|a,b,...]
@@ -40,6 +41,8 @@ VARIANTS = {
                      "zeropp.stochastic_rounding=True"],
     "int4+hops+ef": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
                      "zeropp.grad_error_feedback=True"],
+    "int4+hops+rotate+ef": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
+                            "zeropp.rotate=True", "zeropp.grad_error_feedback=True"],
     "int4_best": ["configs/zeropp_int4.gin"],
 }
 GROUPS = {"zeropp": ["zero3", "qwz", "hpz", "qgz", "qwz+hpz", "zeropp", "zeropp_nonblocked"],

@@ -181,13 +181,16 @@ def _mean_grad(plan, steps=3):
 
 
 def test_int4_combination_tracks_jax_grad_better_than_plain_int4():
-  """Three steps at the same params: plain int4 repeats its error; with error feedback the mean error
-  is the last error / 3 (measured: plain 0.29, combination 0.03 relative L2)."""
-  plain, ref, _, _ = _mean_grad(plans.zeropp(weight_bits=None, secondary_axes=None))
-  combo, _, ex, state = _mean_grad(plans.zeropp(weight_bits=None, secondary_axes=None, grad_bits=(8, 4), rotate=True,
-                                                grad_error_feedback=True))
-  e_plain, e_combo = helpers.rel_l2(plain, ref), helpers.rel_l2(combo, ref)
-  assert e_combo < 0.06 and e_combo < e_plain / 3, (e_combo, e_plain)
+  """Three steps at the same params. Plain int4 repeats its error (measured 0.29 relative L2); the
+  config's combination (int8/int4 hops, rotation) has a smaller one each step (measured 0.15); with
+  error feedback the mean error is the last error / 3 (measured 0.03)."""
+  int4 = {"weight_bits": None, "secondary_axes": None}
+  plain, ref, _, _ = _mean_grad(plans.zeropp(**int4))
+  combo, _, _, _ = _mean_grad(plans.zeropp(**int4, grad_bits=(8, 4), rotate=True))
+  fed, _, ex, state = _mean_grad(plans.zeropp(**int4, grad_bits=(8, 4), rotate=True, grad_error_feedback=True))
+  e_plain, e_combo, e_fed = (helpers.rel_l2(g, ref) for g in (plain, combo, fed))
+  assert e_combo < 0.2 and e_combo < 0.7 * e_plain, (e_combo, e_plain)
+  assert e_fed < 0.06 and e_fed < e_plain / 3, (e_fed, e_plain)
   # the errors are train state: they survive the stored (logical) form bitwise
   back = state_spec.state_from_logical(ex, state_spec.logical_state(ex, state))
   for a, b in zip(jax.tree.leaves(back.grad_error), jax.tree.leaves(state.grad_error)):
