@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import hadamard
-from zerojax import mesh as mesh_lib, quantization as q
+from zerojax import mesh as mesh_lib
+from zerojax import quantization as q
 from zerojax.comm.wire import pack_wire, unpack_wire
 
 
