@@ -20,6 +20,7 @@ from zerojax import layout as layout_lib
 from zerojax import plan as plans
 from zerojax import quantization as q
 from zerojax.comm import qgz
+from zerojax.memory import memory_report
 from zerojax.train import state_spec
 
 BLOCK = 32
@@ -196,3 +197,5 @@ def test_int4_combination_tracks_jax_grad_better_than_plain_int4():
   for a, b in zip(jax.tree.leaves(back.grad_error), jax.tree.leaves(state.grad_error)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert any(float(jnp.abs(e).max()) > 0 for e in jax.tree.leaves(state.grad_error))
+  rep = memory_report(ex, state)
+  assert rep["measured"]["grad_error"] == rep["expected"]["grad_error"] > 0
