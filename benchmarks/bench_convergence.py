@@ -8,7 +8,7 @@ a PNG of the loss curves.
 The int4 ablation (`--variants int4`): int4 weights and int4 gradients (`int4`: ZeRO++ with
 weight_bits=4), then each fidelity option alone (`+ef` error feedback, `+rotate`, `+sr` stochastic
 rounding, `+hops` int8 intra-node / int4 inter-node), pairs and triples with `+hops`, and the best
-combination (`int4_best`, which is `configs/zeropp_int4.gin`: int4 weights, hops, rotation), against
+combination (`int4_best`, which is `configs/zeropp_int4.gin`: int4 weights and `+hops`), against
 ZeRO-3 and ZeRO++'s default. Each variant's per-step wire bytes per
 device (all and cross-node) are computed from the plan's formats (`wire_bytes`).
 

@@ -183,7 +183,7 @@ def _mean_grad(plan, steps=3):
 
 def test_int4_combination_tracks_jax_grad_better_than_plain_int4():
   """Three steps at the same params. Plain int4 repeats its error (measured about 0.29 relative L2); the
-  config's combination (int8/int4 hops, rotation) has a smaller one each step (hops alone measured 0.17,
+  combination of int8/int4 hops and rotation has a smaller one each step (hops alone measured 0.17,
   rotation alone 0.20); with error feedback the mean error is about the last error / 3 (0.03)."""
   int4 = {"weight_bits": None, "secondary_axes": None}
   plain, ref, _, _ = _mean_grad(plans.zeropp(**int4))
