@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import hadamard
+
 # Elements per grid step: in interpret mode as many as memory allows (each step is an iteration of
 # an XLA while loop that carries whole buffers; one step compiles to ordinary fused XLA), a
 # Triton-sized tile when compiled.
@@ -64,6 +66,9 @@ class _Ops:
 
   def rint(self, a):
     return _asm("cvt.rni.f32.f32", a) if self.gpu else jnp.round(a)
+
+  def floor(self, a):
+    return _asm("cvt.rmi.f32.f32", a) if self.gpu else jnp.floor(a)
 
 
 def _trim_scale(scale):
@@ -112,8 +117,8 @@ def _dequant(codes, scale_R):
   return tuple(c.astype(jnp.float32) * s for c in codes)
 
 
-def _quant(xs, bits: int, ops: _Ops):
-  """fp32 lanes [R, *] -> (int32 code lanes, scales [R])."""
+def _quant(xs, bits: int, ops: _Ops, us=None):
+  """fp32 lanes [R, *] -> (int32 code lanes, scales [R]); `us`: noise lanes, stochastic rounding."""
   qmax = _qmax(bits)
   amax = None
   for x in xs:
@@ -122,8 +127,9 @@ def _quant(xs, bits: int, ops: _Ops):
   scale = _trim_scale(ops.div(amax, jnp.full(amax.shape, qmax, jnp.float32)))
   ok = ((scale > 0) & (scale < jnp.inf))[:, None]
   codes = []
-  for x in xs:
-    q = ops.rint(ops.div(x, jnp.broadcast_to(scale[:, None], x.shape)))
+  for i, x in enumerate(xs):
+    y = ops.div(x, jnp.broadcast_to(scale[:, None], x.shape))
+    q = ops.rint(y) if us is None else ops.floor(y + us[i])
     q = jnp.where(ok, jnp.clip(q, -qmax, qmax), 0.0)
     codes.append(q.astype(jnp.int32))
   return tuple(codes), scale
@@ -131,16 +137,25 @@ def _quant(xs, bits: int, ops: _Ops):
 
 # --- kernels --------------------------------------------------------------------------------------
 
-def _quantize_kernel(x_ref, v_ref, s_ref, *, bits, ops):
-  xs = tuple(x.astype(jnp.float32) for x in _lanes(x_ref, 2 if bits == 4 else 1))
-  codes, scale = _quant(xs, bits, ops)
+def _rotated(lanes, rotate: bool, which: int):
+  """The lanes times the block's Hadamard matrix (`which`: 0 forward, 1 inverse scale), or as they are."""
+  if not rotate:
+    return lanes
+  return hadamard.fwht_lanes(*lanes, hadamard.scales(2 * lanes[0].shape[-1])[which])
+
+
+def _quantize_kernel(x_ref, *refs, bits, ops, rotate, noisy):
+  u_ref, v_ref, s_ref = refs if noisy else (None, *refs)
+  n_lanes = 2 if bits == 4 or rotate else 1
+  xs = _rotated(tuple(x.astype(jnp.float32) for x in _lanes(x_ref, n_lanes)), rotate, 0)
+  codes, scale = _quant(xs, bits, ops, _lanes(u_ref, n_lanes) if noisy else None)
   _store_codes(v_ref, codes, bits)
   s_ref[...] = scale
 
 
-def _dequantize_kernel(v_ref, s_ref, o_ref, *, bits):
-  n_lanes = 2 if bits == 4 else 1
-  ys = _dequant(_load_codes(v_ref, bits, n_lanes), s_ref[...])
+def _dequantize_kernel(v_ref, s_ref, o_ref, *, bits, rotate):
+  n_lanes = 2 if bits == 4 or rotate else 1
+  ys = _rotated(_dequant(_load_codes(v_ref, bits, n_lanes), s_ref[...]), rotate, 1)
   _store_lanes(o_ref, tuple(y.astype(o_ref.dtype) for y in ys))
 
 
@@ -154,17 +169,19 @@ def _sum_slabs(refs, bits, n_lanes):
   return acc
 
 
-def _dequant_sum_quantize_kernel(*refs, bits, out_bits, ops):
+def _dequant_sum_quantize_kernel(*refs, bits, out_bits, ops, noisy):
   *ins, ov_ref, os_ref = refs
-  acc = _sum_slabs(ins, bits, 2 if 4 in (bits, out_bits) else 1)
-  codes, scale = _quant(acc, out_bits, ops)
+  n_lanes = 2 if 4 in (bits, out_bits) else 1
+  u_ref, ins = (ins[-1], ins[:-1]) if noisy else (None, ins)
+  acc = _sum_slabs(ins, bits, n_lanes)
+  codes, scale = _quant(acc, out_bits, ops, _lanes(u_ref, n_lanes) if noisy else None)
   _store_codes(ov_ref, codes, out_bits)
   os_ref[...] = scale
 
 
-def _dequant_sum_kernel(*refs, bits):
+def _dequant_sum_kernel(*refs, bits, rotate):
   *ins, o_ref = refs
-  acc = _sum_slabs(ins, bits, 2 if bits == 4 else 1)
+  acc = _rotated(_sum_slabs(ins, bits, 2 if bits == 4 or rotate else 1), rotate, 1)
   _store_lanes(o_ref, tuple(a.astype(o_ref.dtype) for a in acc))
 
 
@@ -247,21 +264,29 @@ def _slab_specs(k: int, r: int, bp: int):
           [pl.BlockSpec((sq, r), functools.partial(lambda kk, i: (kk, i), kk)) for kk in range(k)])
 
 
-def quantize_rows(x_MxB: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
-  """[M, B] fp32/bf16 -> (values [M, B] int8 or [M, B/2] uint8, scales [M] fp32)."""
+def quantize_rows(x_MxB: jax.Array, bits: int, rotate: bool = False,
+                  noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """[M, B] fp32/bf16 -> (values [M, B] int8 or [M, B/2] uint8, scales [M] fp32).
+
+  `rotate`: each row times the Hadamard matrix first; `noise` [M, B]: stochastic rounding."""
   m, b = x_MxB.shape
   interpret, ops, mat = _setup(b, x_MxB)
   r = _rows_per_tile(m, b, interpret)
   bp = _packed(b, bits)
+  noisy = noise is not None
   return _launch(
-      functools.partial(_quantize_kernel, bits=bits, ops=ops), x_MxB,
+      functools.partial(_quantize_kernel, bits=bits, ops=ops, rotate=rotate, noisy=noisy),
+      x_MxB, *([noise] if noisy else []),
       out_shape=(_out((m, bp), _value_dtype(bits), mat), _out((m,), jnp.float32, mat)),
-      grid=(m // r,), in_specs=[_tiles(r, b)], out_specs=(_tiles(r, bp), _rows(r)),
+      grid=(m // r,), in_specs=[_tiles(r, b)] * (2 if noisy else 1), out_specs=(_tiles(r, bp), _rows(r)),
       interpret=interpret, name="zerojax_quantize")
 
 
-def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
+def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int, rotate: bool = False,
+                     noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """[N, G, S, C] -> quantized [S, G, N, C]: the transpose is done by the grid's index maps.
+
+  `rotate` and `noise` (shaped like the input) as in `quantize_rows`.
 
   Returns values [S, G, N, C or C/2] and scales [S, G, N, C / block].
   """
@@ -271,58 +296,63 @@ def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int) -> tuple[jax.A
   r = _rows_per_tile(nb, block, interpret)
   bp = _packed(block, bits)
   sq = pl.squeezed
+  noisy = noise is not None
+  inputs = [a.reshape(n, g, s, nb, block) for a in ([x_NxGxSxC] + ([noise] if noisy else []))]
   v, sc = _launch(
-      functools.partial(_quantize_kernel, bits=bits, ops=ops),
-      x_NxGxSxC.reshape(n, g, s, nb, block),
+      functools.partial(_quantize_kernel, bits=bits, ops=ops, rotate=rotate, noisy=noisy), *inputs,
       out_shape=(_out((s, g, n, nb, bp), _value_dtype(bits), mat),
                  _out((s, g, n, nb), jnp.float32, mat)),
       grid=(s, g, n, nb // r),
-      in_specs=[pl.BlockSpec((sq, sq, sq, r, block), lambda si, gi, ni, j: (ni, gi, si, j, 0))],
+      in_specs=[pl.BlockSpec((sq, sq, sq, r, block), lambda si, gi, ni, j: (ni, gi, si, j, 0))] * len(inputs),
       out_specs=(pl.BlockSpec((sq, sq, sq, r, bp), lambda si, gi, ni, j: (si, gi, ni, j, 0)),
                  pl.BlockSpec((sq, sq, sq, r), lambda si, gi, ni, j: (si, gi, ni, j))),
       interpret=interpret, name="zerojax_reorder_quantize")
   return v.reshape(s, g, n, nb * bp), sc
 
 
-def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype) -> jax.Array:
-  """[M, Bp] values, [M] scales -> [M, B] in `dtype`."""
+def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype, rotate: bool = False) -> jax.Array:
+  """[M, Bp] values, [M] scales -> [M, B] in `dtype` (rotated back with `rotate`)."""
   m, bp = v_MxBp.shape
   b = bp if bits == 8 else 2 * bp
   interpret, _, mat = _setup(b, v_MxBp, s_M)
   r = _rows_per_tile(m, b, interpret)
   return _launch(
-      functools.partial(_dequantize_kernel, bits=bits), v_MxBp, s_M.astype(jnp.float32),
+      functools.partial(_dequantize_kernel, bits=bits, rotate=rotate), v_MxBp, s_M.astype(jnp.float32),
       out_shape=_out((m, b), dtype, mat), grid=(m // r,),
       in_specs=[_tiles(r, bp), _rows(r)], out_specs=_tiles(r, b),
       interpret=interpret, name="zerojax_dequantize")
 
 
-def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int,
-                              out_bits: int) -> tuple[jax.Array, jax.Array]:
-  """K slabs [K, M, Bp] -> requantized sum (values [M, Bp'], scales [M]), one pass over memory."""
+def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, out_bits: int,
+                              noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """K slabs [K, M, Bp] -> requantized sum (values [M, Bp'], scales [M]), one pass over memory;
+  `noise` [M, B]: stochastic rounding of the sum."""
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
   interpret, ops, mat = _setup(b, v_KxMxBp, s_KxM)
   r = _rows_per_tile(m, b * k, interpret)
   obp = _packed(b, out_bits)
   s_KxM = s_KxM.astype(jnp.float32)
+  noisy = noise is not None
   return _launch(
-      functools.partial(_dequant_sum_quantize_kernel, bits=bits, out_bits=out_bits, ops=ops),
-      *[v_KxMxBp] * k, *[s_KxM] * k,
+      functools.partial(_dequant_sum_quantize_kernel, bits=bits, out_bits=out_bits, ops=ops, noisy=noisy),
+      *[v_KxMxBp] * k, *[s_KxM] * k, *([noise] if noisy else []),
       out_shape=(_out((m, obp), _value_dtype(out_bits), mat), _out((m,), jnp.float32, mat)),
-      grid=(m // r,), in_specs=_slab_specs(k, r, bp), out_specs=(_tiles(r, obp), _rows(r)),
+      grid=(m // r,), in_specs=_slab_specs(k, r, bp) + ([_tiles(r, b)] if noisy else []),
+      out_specs=(_tiles(r, obp), _rows(r)),
       interpret=interpret, name="zerojax_dequant_sum_quantize")
 
 
-def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype) -> jax.Array:
-  """K slabs [K, M, Bp] -> fp32 sum of their dequantized values, cast to `dtype`: [M, B]."""
+def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype, rotate: bool = False) -> jax.Array:
+  """K slabs [K, M, Bp] -> fp32 sum of their dequantized values (rotated back with `rotate`), cast to
+  `dtype`: [M, B]."""
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
   interpret, _, mat = _setup(b, v_KxMxBp, s_KxM)
   r = _rows_per_tile(m, b * k, interpret)
   s_KxM = s_KxM.astype(jnp.float32)
   return _launch(
-      functools.partial(_dequant_sum_kernel, bits=bits), *[v_KxMxBp] * k, *[s_KxM] * k,
+      functools.partial(_dequant_sum_kernel, bits=bits, rotate=rotate), *[v_KxMxBp] * k, *[s_KxM] * k,
       out_shape=_out((m, b), dtype, mat), grid=(m // r,),
       in_specs=_slab_specs(k, r, bp), out_specs=_tiles(r, b),
       interpret=interpret, name="zerojax_dequant_sum")

@@ -187,3 +187,8 @@ def test_prefetch_recomputes_the_forward():
   assert zerojax.dp(prefetch=True).remat_mode == "full"
   with pytest.raises(ValueError, match="remat='none' with prefetch"):
     zerojax.zero3(prefetch=True, remat="none")
+
+
+def test_prefetch_refuses_per_layer_qgz_state():
+  with pytest.raises(ValueError, match="prefetch=True with grad_error_feedback"):
+    zerojax.zeropp(prefetch=True, grad_error_feedback=True)

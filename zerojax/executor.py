@@ -42,7 +42,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import comm, layout as layout_lib, logical as logical_lib
+from zerojax import comm, fidelity, layout as layout_lib, logical as logical_lib
 from zerojax import mesh as mesh_lib
 from zerojax.mesh import axis_sizes, group_size
 from zerojax.model import Model, _identity, call_loss  # noqa: F401  (re-exported)
@@ -69,6 +69,7 @@ class TrainState:
   rng: Any = None        # uint32 key data of the run's rng (models with `Model.rng`), replicated
   mutable: Any = None    # the model's mutable collections (`Model.init_state`), replicated
   radius: RadiusState | None = None  # with plan.replica_sync = radius(...)
+  grad_error: Any = None  # with plan.grad_error_feedback: {unit: (e_send, e_node)} (`zerojax.fidelity`)
 
 
 class StepMetrics(NamedTuple):
@@ -118,6 +119,7 @@ class Executor:
     for u in tree:
       leaves, treedef = jax.tree.flatten(tree[u], is_leaf=layout_lib.is_layout)
       self._metas[u] = UnitMeta(plan, sizes, treedef, tuple(leaves), scanned=u in model.scanned)
+    self.error_shapes = fidelity.error_shapes(plan, mesh, self._metas)
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
     self._checked = False
@@ -138,9 +140,10 @@ class Executor:
     radius = None
     if self.plan.replica_sync is not None:
       radius = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._radius_specs())
+    errors = jax.tree.map(lambda s: NamedSharding(self.mesh, s), fidelity.error_specs(self.error_shapes, self.mesh))
     return TrainState(step=rep, params=params, opt_state=opt, skipped=rep,
                       rng=jax.tree.map(lambda _: rep, state_shapes.rng),
-                      mutable=jax.tree.map(lambda _: rep, state_shapes.mutable), radius=radius)
+                      mutable=jax.tree.map(lambda _: rep, state_shapes.mutable), radius=radius, grad_error=errors)
 
   def _radius_specs(self) -> RadiusState:
     """PartitionSpecs of the Radius state: the residual has a leading replica axis."""
@@ -169,7 +172,8 @@ class Executor:
           selected_at=jnp.full((), -1, jnp.int32))
     return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=self.optimizer.init(flat),
                       skipped=jnp.zeros((), jnp.int32), rng=rng if model.rng else None,
-                      mutable=mutable if model.init_state is not None else None, radius=radius)
+                      mutable=mutable if model.init_state is not None else None, radius=radius,
+                      grad_error=fidelity.init_errors(self.error_shapes))
 
   def init(self, rng: jax.Array) -> TrainState:
     """Initialises the model and optimizer directly into the plan's sharded layout.
@@ -216,9 +220,11 @@ class Executor:
     return self.to_user(self.layout.tree())
 
   # -- the step --------------------------------------------------------------------------------------
-  def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = ()) -> dict:
+  def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), qgz: dict | None = None) -> dict:
     metas = {u: dataclasses.replace(m, sync_axes=sync_axes) for u, m in self._metas.items()}
-    return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), metas[u]) for u in p_shards}
+    qgz = qgz or {}
+    return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), metas[u],
+                           qgz.get(u, (None, None))) for u in p_shards}
 
   def _param_shards(self, master):
     """Step 0: master shard over A_os -> parameter shard over A_p, in the param dtype."""
@@ -229,11 +235,12 @@ class Executor:
     return jax.tree.map(lambda m: comm.all_gather_raw(cast(m), to_p, axis=m.ndim - 1, tiled=True),
                         master)
 
-  def _local_grads(self, master, batch, step=None, rng=None, mutable=None, residual=None, indices=None,
-                   phase="dense"):
-    """shard_map body: master shard (over A_os), local batch, the step, the run's rng and the mutable
-    collections -> reduced gradient shard, mean loss, mean aux, device-averaged mutable collections;
-    Radius's phases also take and return the residual (and the sparse one the window's indices)."""
+  def _local_grads(self, master, batch, step=None, rng=None, mutable=None, errors=None, residual=None,
+                   indices=None, phase="dense"):
+    """shard_map body: master shard (over A_os), local batch, the step, the run's rng, the mutable
+    collections and qgZ's error feedback rows -> reduced gradient shard, mean loss, mean aux,
+    device-averaged mutable collections, new error rows; Radius's phases also take and return the
+    residual (and the sparse one the window's indices)."""
     plan, model = self.plan, self.model
     p_shards = self._param_shards(master)
     k_g = group_size(self.mesh, plan.grad_axes)
@@ -249,14 +256,20 @@ class Executor:
       logical_lib.check_units_own_params(jaxpr.jaxpr, jaxpr.jaxpr.invars)
       self._checked = True
 
+    qgz = lambda e, i: fidelity.unit_states(plan, self._metas, e, step, i, rank)
+
     def micro(carry, xs):
-      acc, mut = carry
+      acc, mut, err = carry
       mb, i = xs
-      def f(s):
-        loss, aux, new = call_loss(model, self._units(p_shards, s), mb, key(i), mut)
+      units = {}
+      def f(s, e):
+        u = units.setdefault("u", self._units(p_shards, s, qgz=qgz(e, i)))
+        loss, aux, new = call_loss(model, u, mb, key(i), mut)
         return loss, (aux, new)
-      (loss, (aux, mut)), g = jax.value_and_grad(f, has_aux=True)(zeros_g)
-      return (jax.tree.map(jnp.add, acc, g), mut), (loss, aux)
+      (loss, (aux, mut)), (g, err) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(zeros_g, err)
+      if plan.grad_error_feedback:  # each unit's errors are its one backward's cotangent
+        self._check_single_calls(units["u"], "grad_error_feedback=True")
+      return (jax.tree.map(jnp.add, acc, g), mut, err), (loss, aux)
 
     to_os = plan.opt_order[len(plan.grad_order):]
     replicas = plan.replica_axes(self.mesh)
@@ -266,19 +279,19 @@ class Executor:
       # unit's gradient (plus what the window accumulated) inside its backward, so layer i's all-reduce
       # runs while layer i-1's backward computes. The sums are the same as after the window.
       head = jax.tree.map(lambda x: x[:-1], batch)
-      (acc, mutable), (losses, aux) = lax.scan(micro, (zeros_g, mutable), (head, index[:-1]))
+      (acc, mutable, errors), (losses, aux) = lax.scan(micro, (zeros_g, mutable, errors), (head, index[:-1]))
       last_mb, units = jax.tree.map(lambda x: x[-1], batch), {}
 
-      def last(s):
-        u = units.setdefault("u", self._units(p_shards, s, replicas))
+      def last(s, e):
+        u = units.setdefault("u", self._units(p_shards, s, replicas, qgz(e, self.accum_steps - 1)))
         loss, aux_l, new = call_loss(model, u, last_mb, key(self.accum_steps - 1), mutable)
         return loss, (aux_l, new)
-      (loss_l, (aux_l, mutable)), acc = jax.value_and_grad(last, has_aux=True)(acc)
+      (loss_l, (aux_l, mutable)), (acc, errors) = jax.value_and_grad(last, (0, 1), has_aux=True)(acc, errors)
       self._check_single_calls(units["u"])
       losses = jnp.concatenate([losses, loss_l[None]])
       aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux, aux_l)
     else:
-      (acc, mutable), (losses, aux) = lax.scan(micro, (zeros_g, mutable), (batch, index))
+      (acc, mutable, errors), (losses, aux) = lax.scan(micro, (zeros_g, mutable, errors), (batch, index))
       if to_os:
         acc = jax.tree.map(lambda g: lax.psum_scatter(g, to_os, scatter_dimension=g.ndim - 1, tiled=True), acc)
       if replicas and phase == "dense":
@@ -289,14 +302,14 @@ class Executor:
     # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
     denom = self.world * self.accum_steps
     if phase == "dense":
-      return jax.tree.map(lambda g: g / denom, acc), loss, aux, mutable
+      return jax.tree.map(lambda g: g / denom, acc), loss, aux, mutable, errors
     grads, treedef = jax.tree.flatten(acc)
     res = [r[0] for r in jax.tree.leaves(residual)]  # this replica's row
     if phase == "select":  # Radius Algorithm 1 lines 8–11
       grads, res = comm.radius.dense_all_reduce(grads, res, replicas, denom)
     else:                  # lines 13–17
       grads, res = comm.radius.sparse_all_reduce(grads, res, jax.tree.leaves(indices), replicas, denom)
-    return treedef.unflatten(grads), loss, aux, mutable, treedef.unflatten([r[None] for r in res])
+    return treedef.unflatten(grads), loss, aux, mutable, errors, treedef.unflatten([r[None] for r in res])
 
   def _select(self, updates):
     """shard_map body, Radius Algorithm 1 line 23: each shard's top-k positions of |update|."""
@@ -316,28 +329,29 @@ class Executor:
     return "select" if at < 0 or int(state.step) - at >= r.period else "sparse"
 
   @staticmethod
-  def _check_single_calls(units: dict) -> None:
+  def _check_single_calls(units: dict, field: str = "sync_in_backward=True") -> None:
     for name, u in units.items():
       if len(u.meta.calls) > 1:
-        raise ValueError(f"unit {name!r} is called {len(u.meta.calls)} times per micro-batch; the replica "
-                         "all-reduce inside the backward (Plan.sync_in_backward) needs one call per unit: "
-                         "set sync_in_backward=False in the plan, or make each call its own unit")
+        raise ValueError(f"unit {name!r} is called {len(u.meta.calls)} times per micro-batch; the plan's "
+                         f"{field} needs one call per unit: set it to False in the plan, or make each call "
+                         "its own unit")
 
   def _train_step(self, state: TrainState, batch, phase: str = "dense"):
     data = P(None, self.data_axes)
     radius = state.radius
-    args = (state.params, batch, state.step, state.rng, state.mutable)
-    specs_in = (self.param_specs, data, P(), P(), P())
+    args = (state.params, batch, state.step, state.rng, state.mutable, state.grad_error)
+    err_specs = fidelity.error_specs(self.error_shapes, self.mesh)
+    specs_in = (self.param_specs, data, P(), P(), P(), err_specs)
     if phase == "dense":
-      grads, loss, aux, mutable = jax.shard_map(
+      grads, loss, aux, mutable, errors = jax.shard_map(
           self._local_grads, mesh=self.mesh, in_specs=specs_in,
-          out_specs=(self.param_specs, P(), P(), P()), check_vma=False)(*args)
+          out_specs=(self.param_specs, P(), P(), P(), err_specs), check_vma=False)(*args)
     else:
       specs = self._radius_specs()
-      grads, loss, aux, mutable, residual = jax.shard_map(
+      grads, loss, aux, mutable, errors, residual = jax.shard_map(
           functools.partial(self._local_grads, phase=phase), mesh=self.mesh,
           in_specs=specs_in + (specs.residual, specs.indices),
-          out_specs=(self.param_specs, P(), P(), P(), specs.residual), check_vma=False)(
+          out_specs=(self.param_specs, P(), P(), P(), err_specs, specs.residual), check_vma=False)(
               *args, radius.residual, radius.indices)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -353,7 +367,8 @@ class Executor:
     new = TrainState(step=state.step + 1, params=keep(params, state.params),
                      opt_state=keep(opt_state, state.opt_state),
                      skipped=state.skipped + (~finite).astype(jnp.int32), rng=state.rng,
-                     mutable=keep(mutable, state.mutable), radius=radius)
+                     mutable=keep(mutable, state.mutable), radius=radius,
+                     grad_error=keep(errors, state.grad_error))
     return new, StepMetrics(loss, grad_norm, finite, aux)
 
   def step_fn(self, state_shardings: TrainState | None = None):

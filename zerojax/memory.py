@@ -1,5 +1,5 @@
 """Per-device bytes of model state under a plan: P/s_p + G/s_g + OS/s_os (ZeRO §5, AMSP §3.2), plus
-Radius's residual and indices (Radius §5).
+Radius's residual and indices (Radius §5), and qgZ's error feedback buffers (LoCo §3).
 
 `expected` follows from the plan and the padded layout alone; `measured` reads the shards of a live
 train state (master weights and optimizer states) on one device, so the two can be checked against
@@ -7,6 +7,7 @@ each other.
 """
 from __future__ import annotations
 
+import math
 
 import jax
 import numpy as np
@@ -45,7 +46,10 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
   # Radius keeps each replica's residual (fp32, sharded like the master weights) and its shard's indices.
   expected["radius"] = 0 if plan.replica_sync is None else numel * 4 // s(plan.opt_axes) + 4 * sum(
       k * (l.layers or 1) for k, l in zip(ex.radius_k, ex.layout.leaves))
-  expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer", "hpz_secondary", "radius"))
+  # qgZ's error feedback keeps, per device, the local gradient's error and 1/G of it (`zerojax.fidelity`).
+  expected["grad_error"] = sum(math.prod(x.shape[1:]) * 4 for x in jax.tree.leaves(ex.error_shapes or {}))
+  expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer", "hpz_secondary", "radius",
+                                                "grad_error"))
   report = {"plan": plan.name, "expected": expected}
   if state is not None:
     dev = ex.mesh.devices.flat[0]
@@ -54,4 +58,6 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
     report["measured"] = {"master": on_dev(state.params), "optimizer": on_dev(state.opt_state)}
     if state.radius is not None:
       report["measured"]["radius"] = on_dev(state.radius)
+    if state.grad_error is not None:
+      report["measured"]["grad_error"] = on_dev(state.grad_error)
   return report

@@ -143,10 +143,22 @@ class Plan:
       slice of the gathered weights for this device's position along these axes (⊆ param_axes, default
       the node, `("gpu",)`); the backward all-gather runs over them only.
     grad_bits: qgZ (ZeRO++ §3.3): the gradient reduce-scatter becomes a 2-hop all-to-all of
-      block-quantized values of this many bits (4 or 8): inside the node, then across nodes.
+      block-quantized values of this many bits (4 or 8): inside the node, then across nodes. A pair
+      `(intra, inter)` sets each hop's bits, e.g. `(8, 4)`: int8 inside the node, int4 across nodes
+      (SDP4Bit §3.2). A group with one hop uses the bits of that hop.
     grad_block: elements per qgZ quantization block; 0 = one scale per slab (non-blocked).
     qgz_stages: qgZ pipeline stages (ZeRO++ §4.1.2, Algorithm 2); results do not depend on it.
     kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
+    grad_error_feedback: qgZ with error feedback (LoCo §3): what each quantization of qgZ drops (the
+      first hop's error of the local gradient, the second hop's error of the node-local sums) is kept
+      per device and added to the same positions' values at the next micro-step, so nothing is lost,
+      only delayed. The errors are train state (`TrainState.grad_error`, checkpointed); they cost one
+      fp32 copy of the unit's local gradient plus 1/G of it per device.
+    rotate: quantize every block (qwZ and qgZ) times a Hadamard matrix, undone after dequantization
+      (SDP4Bit §3.2): outliers are spread over the block, so its scale fits the values better. The
+      block sizes must be powers of two.
+    stochastic_rounding: qgZ rounds stochastically (`floor(x / scale + u)`, unbiased), with noise
+      seeded by the step, micro-step, unit, layer and device: reproducible, independent per device.
     replica_sync: how gradients are all-reduced over the replica axes: None, densely; `radius(...)`,
       Radius's periodic top-k with a residual (`Radius`). Radius syncs after the accumulation window
       (select and sparse steps do not use `sync_in_backward`; its dense warm-up steps do).
@@ -170,12 +182,15 @@ class Plan:
   weight_block: int = 256
   quantize_backward_gather: bool = True
   secondary_axes: Axes | None = None
-  grad_bits: int | None = None
+  grad_bits: int | tuple[int, int] | None = None
   grad_block: int = 256
   qgz_stages: int = 1
   kernel_backend: str | None = None
   replica_sync: Radius | None = None
   prefetch: bool = False
+  grad_error_feedback: bool = False
+  rotate: bool = False
+  stochastic_rounding: bool = False
 
   def __post_init__(self):
     if not isinstance(self.prefetch, bool):
@@ -215,9 +230,36 @@ class Plan:
                        f"states {os_}; a component cannot be sharded over devices its successor is replicated "
                        "over")
 
+  @property
+  def hop_bits(self) -> tuple[int, int] | None:
+    """qgZ's bits per hop, (intra-node, inter-node); None without qgZ."""
+    if self.grad_bits is None:
+      return None
+    return tuple(self.grad_bits) if isinstance(self.grad_bits, (tuple, list)) else (self.grad_bits,) * 2
+
+  def _check_fidelity(self) -> None:
+    if isinstance(self.grad_bits, list):
+      object.__setattr__(self, "grad_bits", tuple(self.grad_bits))
+    if isinstance(self.grad_bits, tuple) and (len(self.grad_bits) != 2 or any(b not in (4, 8) for b in self.grad_bits)):
+      raise ValueError(f"plan {self.name!r}: grad_bits={self.grad_bits!r}; use 4, 8 or a pair (intra-node, "
+                       "inter-node) of them, e.g. (8, 4)")
+    for f in ("grad_error_feedback", "stochastic_rounding"):
+      if getattr(self, f) and not self.grad_bits:
+        raise ValueError(f"plan {self.name!r}: {f}=True acts on qgZ's quantization, but grad_bits is None; "
+                         "set grad_bits (e.g. 4) or drop it")
+    if self.rotate:
+      if not (self.grad_bits or self.weight_bits):
+        raise ValueError(f"plan {self.name!r}: rotate=True rotates quantization blocks, but neither weight_bits "
+                         "nor grad_bits is set; set one or drop rotate")
+      for f, on in (("weight_block", self.weight_bits), ("grad_block", self.grad_bits)):
+        b = getattr(self, f)
+        if on and (b < 2 or b & (b - 1)):
+          raise ValueError(f"plan {self.name!r}: rotate=True needs a power-of-two {f}, got {b}; use e.g. 256")
+
   def _check_zeropp(self) -> None:
+    self._check_fidelity()
     for f, allowed in (("weight_bits", (None, 4, 8)), ("grad_bits", (None, 4, 8))):
-      if getattr(self, f) not in allowed:
+      if getattr(self, f) not in allowed and not (f == "grad_bits" and isinstance(self.grad_bits, tuple)):
         raise ValueError(f"plan {self.name!r}: {f}={getattr(self, f)!r}; use one of {allowed}")
     for f in ("weight_block", "grad_block"):
       if getattr(self, f) < 0 or getattr(self, f) % 2:
@@ -245,6 +287,9 @@ class Plan:
     if self.grad_bits and self.reduce_via != "auto":
       raise ValueError(f"plan {self.name!r}: reduce_via={self.reduce_via!r} with qgZ (grad_bits={self.grad_bits}), "
                        "which is its own 2-hop all-to-all; leave reduce_via='auto'")
+    if self.prefetch and (self.grad_error_feedback or self.stochastic_rounding):
+      raise ValueError(f"plan {self.name!r}: prefetch=True with grad_error_feedback / stochastic_rounding, whose "
+                       "per-layer qgZ state the prefetched stack does not carry; use prefetch=False with them")
     if self.prefetch and self.remat not in (None, "full"):
       raise ValueError(f"plan {self.name!r}: remat={self.remat!r} with prefetch=True, whose backward recomputes "
                        "each layer's forward; use remat='full' (or None) with prefetch, or prefetch=False")

@@ -17,6 +17,12 @@ Non-finite inputs: a block holding NaN or +-Inf gets scale = +inf and codes 0, s
 NaN (0 * inf) and the step's non-finite check catches it; an all-zero block gets scale 0 and codes 0
 and dequantizes to exact zeros. Codes are 0 wherever the scale is 0 or not finite.
 
+Two options (off by default, and then nothing changes): `rotate` multiplies each block by a Hadamard
+matrix before quantizing and back after dequantizing (`pallas_kernels.hadamard`: fixed butterflies,
+the same bits everywhere; inside the Pallas kernels, around the triton ones); `noise` (uniform in
+(0, 1), shaped like the input) rounds stochastically, `floor(x / scale + u)`, unbiased (xla and
+Pallas; the triton kernels refuse it).
+
 Three backends compute the same arithmetic and agree bit for bit: "xla" (plain jnp, this file, the
 reference and the default), "pallas" (`pallas_kernels.block_quant`, interpreted on CPU) and
 "triton" (`pallas_kernels.triton_block_quant`, GPU only). Pick one per call with `backend=` or for
@@ -26,6 +32,7 @@ References:
   ZeRO++: Wang et al. 2023, §3.1 (block-based quantization), §3.3 (qgZ), §4.1.2 Algorithm 2
   (generalized tensor slice reordering), §4.2 (fused kernels: reorder+quantize and
   dequantize+reduce+quantize).
+  SDP4Bit: Jia et al. 2024, §3.2 (Hadamard rotation before 4-bit quantization).
 """
 from __future__ import annotations
 
@@ -36,6 +43,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_kernels import hadamard
 
 Backend = Literal["xla", "pallas", "triton"]
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
@@ -64,8 +73,12 @@ def packed_len(elements: int, bits: int) -> int:
   return elements if bits == 8 else elements // 2
 
 
-def _check(bits: int, block: int) -> None:
+def _check(bits: int, block: int, rotate: bool = False, name: str = "xla", noise=None) -> None:
   qmax_of(bits)
+  if rotate:
+    hadamard.check_block(block)
+  if noise is not None and name == "triton":
+    raise ValueError("stochastic rounding is not in the triton kernels; use backend='pallas' or 'xla'")
   if not isinstance(block, int) or block <= 0:
     raise ValueError(f"block={block!r}; expected a positive int")
   if bits == 4 and block % 2:
@@ -99,15 +112,20 @@ def trim_scale(scale: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(b, jnp.float32)
 
 
-def _quantize_rows(x_MxB: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
-  """[M, B] floats -> (codes int32 [M, B], scales fp32 [M])."""
+def _quantize_rows(x_MxB: jax.Array, bits: int, rotate: bool = False,
+                   noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """[M, B] floats -> (codes int32 [M, B], scales fp32 [M]); rows rotated first with `rotate`,
+  rounded stochastically (`floor(x / scale + u)`) with `noise` u [M, B] in (0, 1)."""
   qmax = float(qmax_of(bits))
   x = x_MxB.astype(jnp.float32)
+  if rotate:
+    x = hadamard.fwht_rows(x, hadamard.scales(x.shape[1])[0])
   # NaN -> inf so that the block's absmax (and scale) is inf whatever max does with NaN.
   amax_M = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=1)
   scale_M = trim_scale(amax_M / jnp.float32(qmax))
   ok_M = (scale_M > 0) & (scale_M < jnp.inf)
-  q = jnp.clip(jnp.round(x / scale_M[:, None]), -qmax, qmax)
+  y = x / scale_M[:, None]
+  q = jnp.clip(jnp.round(y) if noise is None else jnp.floor(y + noise), -qmax, qmax)
   q = jnp.where(ok_M[:, None], q, 0.0)
   return q.astype(jnp.int32), scale_M
 
@@ -137,6 +155,10 @@ def _dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int) -> jax.Array:
   return _unpack(v_MxBp, bits).astype(jnp.float32) * s_M.astype(jnp.float32)[:, None]
 
 
+def _unrotate(y_MxB: jax.Array, rotate: bool) -> jax.Array:
+  return hadamard.fwht_rows(y_MxB, hadamard.scales(y_MxB.shape[1])[1]) if rotate else y_MxB
+
+
 def _sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int) -> jax.Array:
   """Dequantizes K slabs and sums them in fp32, slab 0 first (a fixed order every backend uses)."""
   acc = _dequantize_rows(v_KxMxBp[0], s_KxM[0], bits)
@@ -145,9 +167,15 @@ def _sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int) -> jax.Array:
   return acc
 
 
+def _opt(**kw) -> dict:
+  """Keyword arguments for a kernel, without those left at their defaults (so the triton kernels,
+  which have neither, are called as before)."""
+  return {k: v for k, v in kw.items() if v is not None and v is not False}
+
+
 # --- public API -----------------------------------------------------------------------------------
 
-def quantize(x: jax.Array, bits: int, block: int, *,
+def quantize(x: jax.Array, bits: int, block: int, *, rotate: bool = False, noise: jax.Array | None = None,
              backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
   """Quantizes `x` block-wise.
 
@@ -155,57 +183,71 @@ def quantize(x: jax.Array, bits: int, block: int, *,
     x: array of any shape, fp32 or bf16; flattened in C order, zero-padded to a multiple of
       `block`.
     bits: 8 or 4.
-    block: elements per block (even for int4; a power of two for the GPU backends).
+    block: elements per block (even for int4; a power of two for the GPU backends and `rotate`).
+    rotate: quantize each block times the Hadamard matrix (`pallas_kernels.hadamard`); undo it with
+      `dequantize(..., rotate=True)` or `dequant_sum(..., rotate=True)`.
+    noise: uniform noise in (0, 1) shaped like `x` (`hadamard.uniform`): stochastic rounding
+      `floor(x / scale + noise)`, unbiased; None rounds to nearest.
     backend: "xla", "pallas", "triton" or None for `default_backend()`.
 
   Returns:
     (values, scales): int8 [n_pad] or packed uint8 [n_pad // 2], and fp32 [n_pad // block].
 
   References:
-    ZeRO++ §3.1 (block-based quantization), §4.2 (quantization kernels).
+    ZeRO++ §3.1 (block-based quantization), §4.2 (quantization kernels). SDP4Bit §3.2 (rotation).
   """
-  _check(bits, block)
   name = _resolve(backend)
+  _check(bits, block, rotate, name, noise)
   flat = jnp.ravel(x)
   n_pad = -(-flat.shape[0] // block) * block
   if n_pad != flat.shape[0]:
     flat = jnp.pad(flat, (0, n_pad - flat.shape[0]))
   x_MxB = flat.reshape(n_pad // block, block)
+  u_MxB = None
+  if noise is not None:
+    u = jnp.ravel(noise).astype(jnp.float32)
+    u_MxB = jnp.pad(u, (0, n_pad - u.shape[0]), constant_values=0.5).reshape(x_MxB.shape)
   if name == "xla":
-    codes, s_M = _quantize_rows(x_MxB, bits)
+    codes, s_M = _quantize_rows(x_MxB, bits, rotate, u_MxB)
     v_MxBp = _pack(codes, bits)
-  else:
+  elif name == "triton":
+    x_MxB = hadamard.fwht_rows(x_MxB.astype(jnp.float32), hadamard.scales(block)[0]) if rotate else x_MxB
     v_MxBp, s_M = _kernels(name).quantize_rows(x_MxB, bits)
+  else:
+    v_MxBp, s_M = _kernels(name).quantize_rows(x_MxB, bits, rotate=rotate, noise=u_MxB)
   return v_MxBp.reshape(-1), s_M
 
 
 def dequantize(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
-               dtype=jnp.float32, size: int | None = None,
+               dtype=jnp.float32, size: int | None = None, rotate: bool = False,
                backend: Backend | None = None) -> jax.Array:
-  """Inverse of `quantize`: a flat array of length `size` (default n_pad) = code * scale.
+  """Inverse of `quantize`: a flat array of length `size` (default n_pad) = code * scale (rotated
+  back with `rotate`, as quantized).
 
   `values` and `scales` may carry any leading shape; both are flattened in C order.
 
   References:
     ZeRO++ §3.1, §4.2 (dequantization kernels).
   """
-  _check(bits, block)
   name = _resolve(backend)
+  _check(bits, block, rotate)
   bp = packed_len(block, bits)
   v_MxBp = jnp.ravel(values).reshape(-1, bp)
   s_M = jnp.ravel(scales)
   if s_M.shape[0] != v_MxBp.shape[0]:
     raise ValueError(f"{s_M.shape[0]} scales for {v_MxBp.shape[0]} blocks of {block}")
   if name == "xla":
-    out = _dequantize_rows(v_MxBp, s_M, bits).astype(dtype)
+    out = _unrotate(_dequantize_rows(v_MxBp, s_M, bits), rotate).astype(dtype)
+  elif name == "triton" and rotate:
+    out = _unrotate(_kernels(name).dequantize_rows(v_MxBp, s_M, bits, jnp.float32), True).astype(dtype)
   else:
-    out = _kernels(name).dequantize_rows(v_MxBp, s_M, bits, dtype)
+    out = _kernels(name).dequantize_rows(v_MxBp, s_M, bits, dtype, **_opt(rotate=rotate))
   out = out.reshape(-1)
   return out if size is None else out[:size]
 
 
 def reorder_quantize(x: jax.Array, nodes: int, gpus: int, bits: int, block: int, *,
-                     stages: int = 1,
+                     stages: int = 1, rotate: bool = False, noise: jax.Array | None = None,
                      backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
   """qgZ tensor-slice reordering fused with quantization.
 
@@ -215,6 +257,8 @@ def reorder_quantize(x: jax.Array, nodes: int, gpus: int, bits: int, block: int,
   all-to-all over `gpu` splitting axis 1 (per stage) sends each GPU the slices it reduces intra-node
   and, after the inter-node all-to-all, every owner ends with its own slice (paper eq. 1 -> 2).
 
+  `rotate` and `noise` (shaped like `x`, in its order) are as in `quantize`.
+
   Returns:
     values [stages, gpus, nodes, c / stages] int8 (or [..., c / (2 * stages)] uint8 for int4) and
     scales [stages, gpus, nodes, c / (stages * block)] fp32.
@@ -223,8 +267,8 @@ def reorder_quantize(x: jax.Array, nodes: int, gpus: int, bits: int, block: int,
     ZeRO++ §3.3.3 (tensor slice reordering), §4.1.2 Algorithm 2 (generalized to pipeline stages),
     §4.2 (reordering fused into the quantization kernel).
   """
-  _check(bits, block)
   name = _resolve(backend)
+  _check(bits, block, rotate, name, noise)
   w = nodes * gpus
   total = math.prod(x.shape)
   if nodes <= 0 or gpus <= 0 or stages <= 0 or total % w:
@@ -236,12 +280,19 @@ def reorder_quantize(x: jax.Array, nodes: int, gpus: int, bits: int, block: int,
                      f" = {stages * block}")
   cs = c // stages
   x_NxGxSxC = jnp.reshape(x, (nodes, gpus, stages, cs))
+  u_NxGxSxC = None if noise is None else jnp.reshape(noise.astype(jnp.float32), x_NxGxSxC.shape)
   if name == "xla":
-    x_SxGxNxC = jnp.transpose(x_NxGxSxC, (2, 1, 0, 3))
-    codes, s_M = _quantize_rows(x_SxGxNxC.reshape(-1, block), bits)
+    to_rows = lambda a: jnp.transpose(a, (2, 1, 0, 3)).reshape(-1, block)
+    codes, s_M = _quantize_rows(to_rows(x_NxGxSxC), bits, rotate,
+                                None if noise is None else to_rows(u_NxGxSxC))
     v = _pack(codes, bits).reshape(stages, gpus, nodes, packed_len(cs, bits))
     return v, s_M.reshape(stages, gpus, nodes, cs // block)
-  return _kernels(name).reorder_quantize(x_NxGxSxC, bits, block)
+  if name == "triton":
+    if rotate:
+      x_NxGxSxC = hadamard.fwht_rows(x_NxGxSxC.astype(jnp.float32).reshape(-1, block),
+                                     hadamard.scales(block)[0]).reshape(x_NxGxSxC.shape)
+    return _kernels(name).reorder_quantize(x_NxGxSxC, bits, block)
+  return _kernels(name).reorder_quantize(x_NxGxSxC, bits, block, rotate=rotate, noise=u_NxGxSxC)
 
 
 def _slabs(values: jax.Array, scales: jax.Array, bits: int, block: int):
@@ -258,7 +309,7 @@ def _slabs(values: jax.Array, scales: jax.Array, bits: int, block: int):
 
 
 def dequant_sum_quantize(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
-                         out_bits: int | None = None,
+                         out_bits: int | None = None, noise: jax.Array | None = None,
                          backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
   """Fused intra-node step of qgZ: dequantize K slabs, sum in fp32, requantize the sum.
 
@@ -268,6 +319,8 @@ def dequant_sum_quantize(values: jax.Array, scales: jax.Array, bits: int, block:
     bits: bits of the input codes.
     block: elements per block, for input and output.
     out_bits: bits of the output codes (default `bits`).
+    noise: stochastic rounding of the output (see `quantize`), shaped like one slab, unpacked.
+      The slabs stay in whatever domain they were quantized in (rotated or not): sums are linear.
     backend: see `quantize`.
 
   Returns:
@@ -278,15 +331,17 @@ def dequant_sum_quantize(values: jax.Array, scales: jax.Array, bits: int, block:
     fused in one kernel, 9x less memory traffic in qgZ).
   """
   out_bits = bits if out_bits is None else out_bits
-  _check(bits, block)
-  _check(out_bits, block)
   name = _resolve(backend)
+  _check(bits, block)
+  _check(out_bits, block, name=name, noise=noise)
   v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
+  rows = lambda a: None if a is None else jnp.reshape(a.astype(jnp.float32), (-1, block))
   if name == "xla":
-    codes, s_M = _quantize_rows(_sum_rows(v_KxMxBp, s_KxM, bits), out_bits)
+    codes, s_M = _quantize_rows(_sum_rows(v_KxMxBp, s_KxM, bits), out_bits, noise=rows(noise))
     v_M = _pack(codes, out_bits)
   else:
-    v_M, s_M = _kernels(name).dequant_sum_quantize_rows(v_KxMxBp, s_KxM, bits, out_bits)
+    v_M, s_M = _kernels(name).dequant_sum_quantize_rows(v_KxMxBp, s_KxM, bits, out_bits,
+                                                        **_opt(noise=rows(noise)))
   lead = values.shape[1:-1]
   elements = values.shape[-1] // packed_len(block, bits) * block
   return (v_M.reshape(*lead, packed_len(elements, out_bits)),
@@ -294,20 +349,22 @@ def dequant_sum_quantize(values: jax.Array, scales: jax.Array, bits: int, block:
 
 
 def dequant_sum(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
-                dtype=jnp.float32, backend: Backend | None = None) -> jax.Array:
+                dtype=jnp.float32, rotate: bool = False, backend: Backend | None = None) -> jax.Array:
   """Dequantizes K slabs and sums them in fp32: shape values.shape[1:] with the last axis unpacked.
 
-  This is the last step of qgZ (after the inter-node all-to-all).
+  This is the last step of qgZ (after the inter-node all-to-all); `rotate` rotates the sum back.
 
   References:
     ZeRO++ §3.3.2, §4.2.
   """
-  _check(bits, block)
   name = _resolve(backend)
+  _check(bits, block, rotate)
   v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
   if name == "xla":
-    out = _sum_rows(v_KxMxBp, s_KxM, bits).astype(dtype)
+    out = _unrotate(_sum_rows(v_KxMxBp, s_KxM, bits), rotate).astype(dtype)
+  elif name == "triton" and rotate:
+    out = _unrotate(_kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, jnp.float32), True).astype(dtype)
   else:
-    out = _kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, dtype)
+    out = _kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, dtype, **_opt(rotate=rotate))
   elements = values.shape[-1] // packed_len(block, bits) * block
   return out.reshape(*values.shape[1:-1], elements)

@@ -62,18 +62,23 @@ class ShardedUnit:
     shards: list of local parameter shards `[padded / |A_p|]` (param dtype), one per leaf.
     sinks: list of zero gradient sinks `[padded / |A_g|]` (reduce dtype), one per leaf.
     meta: static `UnitMeta`.
+    qgz: qgZ's per-call state, `(error, seed)`: error feedback's `(e_send, e_node)` buffers (the
+      backward returns the new ones as their cotangent) and the uint32 key data of stochastic rounding;
+      either None when the plan does not use it.
   For a scanned unit every array has a leading layer axis; `lax.scan` over a `ShardedUnit` slices it.
   """
   shards: list
   sinks: list
   meta: UnitMeta
+  qgz: tuple = (None, None)
 
   def tree_flatten(self):
-    return (self.shards, self.sinks), self.meta
+    return (self.shards, self.sinks, self.qgz), self.meta
 
   @classmethod
   def tree_unflatten(cls, meta, children):
-    return cls(*children, meta)
+    shards, sinks, qgz = children
+    return cls(shards, sinks, meta, qgz)
 
 
 def _gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
@@ -81,7 +86,8 @@ def _gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
   plan = meta.plan
   bits = plan.weight_bits if (not backward or plan.quantize_backward_gather) else None
   return comm.all_gather_unit(shards, plan.param_axes, bits=bits, block=plan.weight_block,
-                              backend=plan.kernel_backend, hierarchical=plan.hierarchical)
+                              backend=plan.kernel_backend, hierarchical=plan.hierarchical,
+                              rotate=plan.rotate and bits is not None)
 
 
 def _tree(meta: UnitMeta, flats: list) -> Any:
@@ -97,20 +103,30 @@ def _secondary_shards(meta: UnitMeta, flats: list) -> list:
   return [lax.dynamic_index_in_dim(f.reshape(k, -1), idx, keepdims=False) for f in flats]
 
 
-def _reduce(meta: UnitMeta, grads: Any) -> list:
+def _reduce(meta: UnitMeta, grads: Any, qgz: tuple = (None, None)):
+  """The reduced gradient chunks; with error feedback `(chunks, new error)`."""
   plan = meta.plan
   dtype = jnp.dtype(plan.reduce_dtype)
   flats = [pad_flat(g.astype(dtype), l)
            for g, l in zip(jax.tree.leaves(grads), meta.leaves)]
   sizes = tuple(dict(meta.axis_sizes)[a] for a in plan.grad_order)
+  error, seed = qgz
+  if (plan.grad_error_feedback and error is None) or (plan.stochastic_rounding and seed is None):
+    raise ValueError(f"plan {plan.name!r}: grad_error_feedback / stochastic_rounding need the unit's qgZ state, "
+                     "which only zerojax's own models pass (not the flax adapters yet); drop them for this model")
+  fidelity = {}
+  if plan.grad_bits:
+    fidelity = {"rotate": plan.rotate, "error": error,
+                "key": None if seed is None else jax.random.wrap_key_data(seed)}
   return comm.reduce_scatter_unit(flats, plan.grad_order, sizes, bits=plan.grad_bits,
                                          block=plan.grad_block, stages=plan.qgz_stages,
-                                         backend=plan.kernel_backend, all_to_all=plan.gradient_all_to_all)
+                                         backend=plan.kernel_backend, all_to_all=plan.gradient_all_to_all,
+                                         **fidelity)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sharded_call(f, meta, shards, sinks, *args):
-  del sinks
+def _sharded_call(f, meta, shards, sinks, qgz, *args):
+  del sinks, qgz
   return f(_tree(meta, _gather_flats(meta, shards)), *args)
 
 
@@ -130,7 +146,7 @@ def _after(tree, dep):
   return tree
 
 
-def _sharded_fwd(f, meta, shards, sinks, *args):
+def _sharded_fwd(f, meta, shards, sinks, qgz, *args):
   flats = _gather_flats(meta, _after(shards, args))
   # Residual: the primary shard, or with hpZ the secondary shard of the (dequantized) gathered weights,
   # so the backward uses exactly the forward's weights. Never the full gathered weights.
@@ -138,13 +154,13 @@ def _sharded_fwd(f, meta, shards, sinks, *args):
   window = sinks if meta.sync_axes else None
   mode = meta.plan.remat_mode
   if mode == "full":  # the backward recomputes the forward from the inputs
-    return f(_tree(meta, flats), *args), (kept, args, window)
+    return f(_tree(meta, flats), *args), (kept, args, window, qgz)
   out, saved = remat.forward(f, mode, _tree(meta, flats), *args)  # activations, no weights
-  return out, (kept, saved, window)
+  return out, (kept, saved, window, qgz)
 
 
 def _sharded_bwd(f, meta, residuals, g):
-  kept, args, window = residuals
+  kept, args, window, qgz = residuals
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
   # gather (keeping full weights alive across the whole step) nor hoist it early.
   kept, g = lax.optimization_barrier((kept, g))
@@ -160,10 +176,13 @@ def _sharded_bwd(f, meta, residuals, g):
   dparams, *dargs = vjp(g)
   k_p = meta.size(meta.plan.param_axes)
   dshards = [jnp.zeros((l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]
-  dsinks = _reduce(meta, dparams)
+  dsinks, error = _reduce(meta, dparams, qgz), None
+  if qgz[0] is not None:  # error feedback: the new errors travel out as the cotangent of the old ones
+    dsinks, error = dsinks
   if meta.sync_axes:  # the replica all-reduce of this layer, while earlier layers' backward runs
     dsinks = [lax.psum(d + w, meta.sync_axes) for d, w in zip(dsinks, window)]
-  return (dshards, dsinks, *dargs)
+  seed = None if qgz[1] is None else np.zeros(qgz[1].shape, jax.dtypes.float0)
+  return (dshards, dsinks, (error, seed), *dargs)
 
 
 _sharded_call.defvjp(_sharded_fwd, _sharded_bwd)
@@ -254,6 +273,6 @@ def unit(f: Callable) -> Callable:
       g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))
       arrays = [x for x in leaves if _is_array(x)]
       _check_collectives(g, params.meta, arrays)
-      return _sharded_call(g, params.meta, params.shards, params.sinks, *arrays)
+      return _sharded_call(g, params.meta, params.shards, params.sinks, params.qgz, *arrays)
     return f(params, *args, **kwargs)
   return apply

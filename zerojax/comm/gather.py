@@ -46,12 +46,14 @@ def hierarchical_all_gather(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int | None = None,
-                    block: int = 256, backend: str | None = None, hierarchical: bool = False) -> list[jax.Array]:
+                    block: int = 256, backend: str | None = None, hierarchical: bool = False,
+                    rotate: bool = False) -> list[jax.Array]:
   """Gathers each leaf's local chunk `[c_i]` over `axes` into its full flat array `[k * c_i]`.
 
   With `bits` (qwZ, ZeRO++ §3.1) the packed chunk is block-quantized, values and scales are gathered,
   and the result is dequantized on arrival into the chunk's dtype. With `hierarchical` a group that
   spans nodes gathers in two stages (MiCS §3.3, `hierarchical_all_gather`); the result is identical.
+  With `rotate` each block is Hadamard-rotated before quantization and back after (SDP4Bit §3.2).
   """
   if not axes:
     return list(shards)
@@ -61,9 +63,9 @@ def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int
     buf_kxC = gather(buf_C, axes)
   else:
     block = block or buf_C.shape[0]  # 0: one scale for the whole shard (non-blocked)
-    v, s = quantization.quantize(buf_C, bits, block, backend=backend)
+    v, s = quantization.quantize(buf_C, bits, block, rotate=rotate, backend=backend)
     wire_kxW = gather(pack_wire(v, s), axes)
     v_kxV, s_kxS = unpack_wire(wire_kxW, v.shape[0], bits)
-    buf_kxC = quantization.dequantize(v_kxV, s_kxS, bits, block, dtype=buf_C.dtype,
+    buf_kxC = quantization.dequantize(v_kxV, s_kxS, bits, block, dtype=buf_C.dtype, rotate=rotate,
                                       backend=backend).reshape(v_kxV.shape[0], -1)
   return _split_kxC(buf_kxC, [s.shape[0] for s in shards])

@@ -12,9 +12,14 @@ The chunk is split into `stages` pipeline stages (Algorithm 2): each stage is an
 collectives, so stage s+1's quantization can overlap stage s's communication. Blocks never cross a stage,
 so the result is identical for every number of stages.
 
+Fidelity options (each off by default): per-hop bits, Hadamard rotation, stochastic rounding and error
+feedback; see `qgz_reduce_scatter`.
+
 References:
   ZeRO++: Wang et al. 2023, §3.3.2 (hierarchical all-to-all), §3.3.3 (tensor slice reordering),
   §4.1.2 (Algorithm 2, pipelining), §4.2 (fused kernels).
+  SDP4Bit: Jia et al. 2024, §3.2 (8-bit intra-node / 4-bit inter-node hops, Hadamard smoothing).
+  LoCo: Xie et al. 2024, §3 (error feedback for low-bit gradient communication).
 """
 from __future__ import annotations
 
@@ -24,7 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerojax import mesh as mesh_lib, quantization as q
+from pallas_kernels import hadamard
+from zerojax import mesh as mesh_lib
+from zerojax import quantization as q
 from zerojax.comm.wire import pack_wire, unpack_wire
 
 
@@ -49,8 +56,14 @@ def node_major(grad_W_c: jax.Array, axes: tuple[str, ...], sizes: tuple[int, ...
   return tuple(axes[i] for i in node_ix), tuple(axes[i] for i in gpu_ix), nodes, gpus, grad_W_c
 
 
-def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tuple[int, ...], bits: int,
-                       block: int, stages: int = 1, backend: str | None = None) -> jax.Array:
+def _hop_error(x: jax.Array, v, s, bits: int, block: int, rotate: bool, backend) -> jax.Array:
+  """What a quantization of `x` dropped: x - dequantize(quantize(x)), in x's shape (LoCo §3)."""
+  return x - q.dequantize(v, s, bits, block, rotate=rotate, backend=backend).reshape(x.shape)
+
+
+def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tuple[int, ...],
+                       bits: int | tuple[int, int], block: int, stages: int = 1, backend: str | None = None,
+                       rotate: bool = False, key: jax.Array | None = None, error=None):
   """Sums the flat gradient `[W*c]` over `axes` and returns this device's chunk `[c]` (fp32).
 
   The axes may be any group of the (factored) mesh: its node part (`node` or its factors, e.g. a MiCS
@@ -61,24 +74,57 @@ def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tup
     grad_W_c: the local full gradient, owner-major over `axes`.
     axes: the mesh axes of the reduction group, e.g. ("node", "gpu"), ("node.2", "gpu") or ("gpu",).
     sizes: sizes of `axes`.
-    bits, block: quantization of both hops.
+    bits: quantization bits of both hops, or a pair (intra-node, inter-node) (SDP4Bit §3.2).
+    block: elements per quantization block.
     stages: pipeline stages.
     backend: quantization kernel backend.
+    rotate: Hadamard-rotate each block before the first quantization; the sums stay rotated and the
+      last dequantization rotates back (rotation is linear).
+    key: a PRNG key: stochastic rounding in both hops (noise from `fold_in(key, hop)`); None rounds
+      to nearest.
+    error: error feedback (LoCo §3): `(e_send [W*c], e_node [N*c])`, what the last call's first hop
+      dropped of this device's gradient (node-major order) and its second hop of the node-local sums
+      (in the rotated domain with `rotate`). Each is added before its hop's quantization.
+
+  Returns:
+    The chunk `[c]`; with `error`, `(chunk, (e_send, e_node))` with this call's errors. Everything the
+    quantizations drop is in the errors: over the group, the chunks plus the change of the errors'
+    sums equal the inputs' sum (to fp32 rounding).
   """
+  intra, inter = (bits, bits) if isinstance(bits, int) else bits
+  noise = lambda i, shape: None if key is None else hadamard.uniform(jax.random.fold_in(key, i), shape)
   if not block:  # 0: one scale per slab (non-blocked)
     block = grad_W_c.shape[0] // (math.prod(sizes) * stages)
   node_axes, gpu_axes, nodes, gpus, grad_W_c = node_major(grad_W_c, axes, sizes)
+  e_send, e_node = error if error is not None else (None, None)
+  if e_send is not None:
+    grad_W_c = grad_W_c + e_send
   if nodes == 1 or gpus == 1:  # the group lies in one node, or has one device per node: one hop
-    k, hop = (gpus, gpu_axes) if nodes == 1 else (nodes, node_axes)
-    v, s = q.quantize(grad_W_c, bits, block, backend=backend)
-    v, s = _all_to_all(v.reshape(k, -1), s.reshape(k, -1), hop, bits)  # [k(from), c]
-    return q.dequant_sum(v, s, bits, block, backend=backend)
-  v_SxGxNxc, s_SxGxNxb = q.reorder_quantize(grad_W_c, nodes, gpus, bits, block, stages=stages,
-                                            backend=backend)
-  out = []
+    k, hop, b = (gpus, gpu_axes, intra) if nodes == 1 else (nodes, node_axes, inter)
+    v, s = q.quantize(grad_W_c, b, block, rotate=rotate, noise=noise(0, grad_W_c.shape), backend=backend)
+    if error is not None:
+      e_send = _hop_error(grad_W_c, v, s, b, block, rotate, backend)
+    v, s = _all_to_all(v.reshape(k, -1), s.reshape(k, -1), hop, b)  # [k(from), c]
+    out = q.dequant_sum(v, s, b, block, rotate=rotate, backend=backend)
+    return out if error is None else (out, (e_send, e_node))
+  v_SxGxNxc, s_SxGxNxb = q.reorder_quantize(grad_W_c, nodes, gpus, intra, block, stages=stages, rotate=rotate,
+                                            noise=noise(0, grad_W_c.shape), backend=backend)
+  if error is not None:  # the first hop's error, back in the gradient's order [N, G, S, c/S]
+    d = q.dequantize(v_SxGxNxc, s_SxGxNxb, intra, block, rotate=rotate, backend=backend)
+    d = jnp.transpose(d.reshape(stages, gpus, nodes, -1), (2, 1, 0, 3)).reshape(-1)
+    e_send, e_node = grad_W_c - d, e_node.reshape(stages, nodes, -1)
+  out, e_nodes = [], []
   for st in range(stages):
-    v, s = _all_to_all(v_SxGxNxc[st], s_SxGxNxb[st], gpu_axes, bits)   # [G(from), N, c/S]
-    v, s = q.dequant_sum_quantize(v, s, bits, block, backend=backend)  # [N, c/S]: node-local sums
-    v, s = _all_to_all(v, s, node_axes, bits)                          # [N(from), c/S]
-    out.append(q.dequant_sum(v, s, bits, block, backend=backend))       # [c/S]
-  return jnp.concatenate(out) if stages > 1 else out[0]
+    v, s = _all_to_all(v_SxGxNxc[st], s_SxGxNxb[st], gpu_axes, intra)  # [G(from), N, c/S]
+    if error is None:  # the fused intra-node step: node-local sums, requantized
+      v, s = q.dequant_sum_quantize(v, s, intra, block, out_bits=inter, noise=noise(1 + st, v.shape[1:-1] + (
+          v.shape[-1] // q.packed_len(block, intra) * block,)), backend=backend)
+    else:
+      acc = q.dequant_sum(v, s, intra, block, backend=backend) + e_node[st]  # [N, c/S], rotated domain
+      v, s = q.quantize(acc, inter, block, noise=noise(1 + st, acc.shape), backend=backend)
+      e_nodes.append(_hop_error(acc, v, s, inter, block, False, backend))
+      v, s = v.reshape(nodes, -1), s.reshape(nodes, -1)
+    v, s = _all_to_all(v, s, node_axes, inter)                          # [N(from), c/S]
+    out.append(q.dequant_sum(v, s, inter, block, rotate=rotate, backend=backend))  # [c/S]
+  out = jnp.concatenate(out) if stages > 1 else out[0]
+  return out if error is None else (out, (e_send, jnp.stack(e_nodes).reshape(-1)))

@@ -49,12 +49,14 @@ def all_to_all_reduce_scatter(grad_W_c: jax.Array, axes: tuple[str, ...], sizes:
 
 
 def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], sizes: tuple[int, ...], *,
-                        bits: int | None = None, block: int = 256, stages: int = 1,
-                        backend: str | None = None, all_to_all: bool = False) -> list[jax.Array]:
+                        bits: int | tuple[int, int] | None = None, block: int = 256, stages: int = 1,
+                        backend: str | None = None, all_to_all: bool = False, **fidelity):
   """Sums each leaf's full flat gradient `[k * c_i]` over `axes` and keeps this device's chunk `[c_i]`.
 
   With `bits` the sum is qgZ's 2-hop quantized all-to-all (`zerojax.qgz`); with `all_to_all` the same
-  hops move the gradient's own words (`all_to_all_reduce_scatter`); else `psum_scatter`.
+  hops move the gradient's own words (`all_to_all_reduce_scatter`); else `psum_scatter`. `fidelity`
+  (`rotate`, `key`, `error`) passes on to qgZ. With `error` (the unit's packed buffers) the result is
+  `(chunks, new error)`.
   """
   if not axes:
     return list(grads)
@@ -67,10 +69,13 @@ def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], sizes: tu
     buf_C = lax.psum_scatter(buf_kxC.reshape(-1), axes, scatter_dimension=0, tiled=True)
   else:
     buf_C = qgz.qgz_reduce_scatter(buf_kxC.reshape(-1), axes=axes, sizes=sizes, bits=bits, block=block,
-                                   stages=stages, backend=backend)
+                                   stages=stages, backend=backend, **fidelity)
+  error = None
+  if fidelity.get("error") is not None:
+    buf_C, error = buf_C
   out, off = [], 0
   for c in chunks:
     out.append(buf_C[off:off + c])
     off += c
-  return out
+  return out if error is None else (out, error)
 

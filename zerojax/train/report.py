@@ -44,16 +44,22 @@ def describe_plan(plan) -> str:
 def _techniques(plan) -> list[str]:
   parts = []
   if plan.weight_bits:
-    parts.append(f"qwZ(int{plan.weight_bits}{'' if plan.weight_block else ',per-shard'})")
+    parts.append(f"qwZ(int{plan.weight_bits}{'' if plan.weight_block else ',per-shard'}"
+                 f"{',rot' if getattr(plan, 'rotate', False) else ''})")
   if plan.secondary_axes:
     sec = plan.secondary_axes
     parts.append(f"hpZ({sec if isinstance(sec, int) else ','.join(sec)})")
   if plan.grad_bits:
-    parts.append(f"qgZ(int{plan.grad_bits}{'' if plan.grad_block else ',per-shard'})")
+    bits = "/".join(f"int{b}" for b in dict.fromkeys(plan.hop_bits))
+    extra = [n for f, n in (("rotate", "rot"), ("grad_error_feedback", "ef"), ("stochastic_rounding", "sr"))
+             if getattr(plan, f)]
+    parts.append(f"qgZ({','.join([bits] + ([] if plan.grad_block else ['per-shard']) + extra)})")
   elif getattr(plan, "reduce_dtype", "float32") != "float32":
     parts.append(f"grads({plan.reduce_dtype})")
   if getattr(plan, "remat", None) is not None:
     parts.append(f"remat({plan.remat})")
+  if getattr(plan, "prefetch", False):
+    parts.append("prefetch")
   return parts
 
 

@@ -18,6 +18,10 @@ replica when the replica counts differ (only the sum enters the next select step
 to its shards (`comm.radius.mask_to_indices`); a checkpoint without Radius state starts with an empty
 residual and selects on its first step.
 
+qgZ's error feedback buffers (`plan.grad_error_feedback`, `zerojax.fidelity`) are stored as the
+executor holds them, one row per device: the same mesh and plan resume bitwise; a checkpoint without
+them, or with another layout of them, starts them from zero (they hold one step's quantization residue).
+
 The conversion to the logical layout is a jitted function whose outputs stay sharded over the devices
 (no gather to one host), so every process writes only its own shards. Saving is asynchronous: the
 training loop is blocked only while the logical copy is made and handed to host memory; the writes run
@@ -46,7 +50,7 @@ from zerojax.mesh import group_size
 
 FORMAT = 1
 SEP = "/"
-STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable", "radius")  # TrainState fields that are state
+STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable", "radius", "grad_error")  # TrainState fields that are state
 
 
 class CheckpointError(ValueError):
@@ -85,7 +89,8 @@ class _Leaf(NamedTuple):
   shape: tuple[int, ...]                  # stored (logical) shape
   dtype: Any
   sharding: NamedSharding                 # of the logical array on the executor's mesh
-  kind: str = "flat"                      # "flat", "scalar", Radius's "residual" or "mask" (its indices)
+  kind: str = "flat"                      # "flat", "scalar", Radius's "residual" or "mask" (its indices),
+                                          # qgZ's "error" (stored as held)
   k: int = 0                              # a mask's selected elements per shard
 
 
@@ -132,6 +137,10 @@ class _Spec:
     self.leaves = []
     for path, x in leaves:
       names = path_names(path)
+      if names[0] == "grad_error":
+        self.leaves.append(_Leaf(names, None, tuple(x.shape), np.dtype(x.dtype),
+                                 NamedSharding(mesh, P(tuple(mesh.axis_names))), kind="error"))
+        continue
       if names[0] == "radius" and x.ndim:
         lay = by_path[names[2:]]
         if names[1] == "residual":
@@ -168,6 +177,8 @@ class _Spec:
     """One stored leaf to its logical form (`to_logical`) or back into the executor's layout."""
     if leaf.kind == "scalar":
       return x
+    if leaf.kind == "error":  # another layout's errors: start from zero
+      return x if tuple(x.shape) == leaf.shape else np.zeros(leaf.shape, leaf.dtype)
     if leaf.kind == "flat":
       return layout_lib.unflatten_leaf(x, leaf.layout) if to_logical else layout_lib.flatten_leaf(x, leaf.layout)
     return self.radius.to_logical(x, leaf) if to_logical else self.radius.from_logical(x, leaf)
@@ -215,7 +226,10 @@ class _Spec:
       key = SEP.join(l.names)
       if saved is not None and key not in saved:
         continue
-      if l.kind == "residual" and saved is not None and tuple(saved[key][0]) != l.shape:
+      if l.kind == "error" and saved is not None and tuple(saved[key][0]) != l.shape:
+        out.append((l.names, jax.ShapeDtypeStruct(tuple(saved[key][0]), l.dtype,
+                                                  sharding=NamedSharding(l.sharding.mesh, P()))))
+      elif l.kind == "residual" and saved is not None and tuple(saved[key][0]) != l.shape:
         shape = tuple(saved[key][0])
         out.append((l.names, jax.ShapeDtypeStruct(shape, l.dtype, sharding=_logical_sharding(
             l.sharding.mesh, tuple(a for a in l.sharding.mesh.axis_names if a not in self.radius.replica_axes),
@@ -288,11 +302,17 @@ def check_compatible(spec: _Spec, saved: dict, where: str) -> None:
     raise CheckpointError(f"checkpoint {where} holds Radius's residual and indices ({extra[0]}, ...), but this "
                           "plan has replica_sync=None and would drop the unsent gradient; restore with the "
                           "plan's replica_sync=radius(...): its next select step sends the residual")
-  flexible = {SEP.join(l.names) for l in spec.leaves if l.kind == "residual"}
+  extra = sorted(k for k in set(saved) - set(want) if k.startswith("grad_error" + SEP))
+  if extra:
+    raise CheckpointError(f"checkpoint {where} holds qgZ's error feedback buffers ({extra[0]}, ...), but this "
+                          "plan has grad_error_feedback=False; restore with grad_error_feedback=True")
+  flexible = {SEP.join(l.names) for l in spec.leaves if l.kind in ("residual", "error")}
   for k in flexible & set(saved):
     if tuple(saved[k][0][1:]) == tuple(want[k][0][1:]):
       saved = {**saved, k: (want[k][0], saved[k][1])}
-  saved = {**{k: want[k] for k in want if k.startswith("radius" + SEP) and k not in saved}, **saved}
+  saved = {**{k: want[k] for k in want if k.startswith(("radius" + SEP, "grad_error" + SEP)) and k not in saved},
+           **saved}
+  saved = {k: want[k] if k.startswith("grad_error" + SEP) else v for k, v in saved.items()}
   fmt = lambda sd: f"shape {tuple(sd[0])} {np.dtype(sd[1])}"
   order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params"), k))  # params first
   groups = [
