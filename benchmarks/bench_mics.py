@@ -132,6 +132,8 @@ def main(argv=None) -> int:
   ap.add_argument("--rates", default="100mbit,1gbit", help="link rates; unshaped runs (C) are added")
   ap.add_argument("--accum", default="1,4", help="train.accum_steps values")
   ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--no_unshaped", action="store_true", help="skip the unshaped runs (C measured by another "
+                  "invocation whose JSON is merged with this one)")
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--set", default="mics", choices=sorted(TITLES), help="which plans: MiCS groups, or the "
                   "overlap table (ZeRO-3 fp32/bf16 gradients, prefetch, ZeRO++)")
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     print("bench_mics: the cluster emulator needs root (network namespaces and tc)", file=sys.stderr)
     return 1
   shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-  rates = [r for r in args.rates.split(",") if r] + ["none"]
+  rates = [r for r in args.rates.split(",") if r] + ([] if args.no_unshaped else ["none"])
   accums = [int(a) for a in args.accum.split(",")]
   only = set(args.plans.split(",")) if args.plans else None
   keep = lambda name, accum: (not only or name in only) and (not name.endswith("_flat") or accum == args.flat_accum)
