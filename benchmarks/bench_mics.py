@@ -110,6 +110,8 @@ def markdown(report: dict) -> str:
            "| nodes x gpus | accum | rate | plan | T s/step | C | W | T/max(C,W) | η | cross-node MB/step | vs ZeRO-3 |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in report["rows"]:
+    if r["C"] is None:  # --no_unshaped: C comes from the invocation this one is merged with
+      continue
     lines.append(f"| {r['shape']} | {r['accum']} | {r['rate']} | {r['plan']} | {r['T']:.3f} [{r['T_min']:.3f}–"
                  f"{r['T_max']:.3f}] | {r['C']:.3f} | {r['W']:.3f} | {r['T_over_max_CW']:.2f} | {r['eta']:.2f} | "
                  f"{r['cross_node_MB_per_step']:.2f} | {r['speedup_vs_zero3']:.2f}x |")
