@@ -31,7 +31,6 @@ def child(args):
   """Runs in a process whose XLA_FLAGS are already set; prints one JSON object."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -89,22 +88,14 @@ def child(args):
 
   if args.train_steps:
     cfg = GPTConfig(d_model=args.d_model, num_layers=args.layers)
-    rng = np.random.default_rng(0)
     runs = {}
     for name in ("zero3", "zeropp"):
       for pf in (False, True):
         plan = zerojax.PLANS[name](param_dtype="float32", prefetch=pf)
         ex = zerojax.Executor(gpt(cfg), make_optimizer(), plan, mesh, pad_multiple=256)
         runs[f"{name}/prefetch={pf}"] = [ex, ex.init(jax.random.key(0)), ex.step_fn(), []]
-    for i in range(args.train_steps + 1):  # step 0 compiles
-      b = rng.integers(0, 256, (1, args.batch, cfg.seq_len + 1)).astype(np.int32)
-      for r in runs.values():
-        batch = jax.device_put(b, r[0].batch_sharding)
-        t = time.perf_counter()
-        r[1], m = r[2](r[1], batch)
-        jax.block_until_ready(m)
-        if i:
-          r[3].append(time.perf_counter() - t)
+    from bench_plans import time_steps  # after this process's XLA_FLAGS are set
+    time_steps(runs, args.train_steps, args.batch, cfg.seq_len)
     out["train_step"] = {k: stats(r[3]) for k, r in runs.items()}
     out["train_config"] = {"d_model": args.d_model, "layers": args.layers, "batch": args.batch}
   print(json.dumps(out))

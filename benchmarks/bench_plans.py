@@ -34,6 +34,20 @@ VARIANTS = {
 }
 
 
+def time_steps(runs: dict, steps: int, batch: int, seq_len: int) -> None:
+  """Interleaved step times: each `runs[name] = [executor, state, step_fn, times]` takes one step on the
+  same random byte batch in turn; step 0 compiles and is not timed. Appends to `times` in place."""
+  rng = np.random.default_rng(0)
+  for i in range(steps + 1):
+    b = rng.integers(0, 256, (1, batch, seq_len + 1)).astype(np.int32)
+    for r in runs.values():
+      t = time.perf_counter()
+      r[1], m = r[2](r[1], jax.device_put(b, r[0].batch_sharding))
+      jax.block_until_ready(m)
+      if i:
+        r[3].append(time.perf_counter() - t)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--plans", default="zero3,zeropp,qwz,hpz,qgz")
@@ -50,16 +64,7 @@ def main():
     ex = zerojax.Executor(gpt(cfg), make_optimizer(), VARIANTS[name](param_dtype="float32",
                           kernel_backend=args.backend), mesh, pad_multiple=256)
     runs[name] = [ex, ex.init(jax.random.key(0)), ex.step_fn(), []]
-  rng = np.random.default_rng(0)
-  for i in range(args.steps + 1):
-    b = rng.integers(0, 256, (1, args.batch, cfg.seq_len + 1)).astype(np.int32)
-    for name, r in runs.items():
-      batch = jax.device_put(b, r[0].batch_sharding)
-      t = time.perf_counter()
-      r[1], m = r[2](r[1], batch)
-      jax.block_until_ready(m)
-      if i:
-        r[3].append(time.perf_counter() - t)
+  time_steps(runs, args.steps, args.batch, cfg.seq_len)
   med = {n: float(np.median(r[3])) for n, r in runs.items()}
   base = med.get("zero3")
   print(json.dumps({"benchmark": "plans_step_time_one_host", "mesh": dict(mesh.shape), "model": vars(args),
