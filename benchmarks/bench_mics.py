@@ -40,16 +40,20 @@ def rate_bytes_per_s(rate: str) -> float | None:
   return float(m.group(1)) * RATE_BITS[m.group(2)] / 8 if m else None
 
 
-OVERLAP = {  # --set overlap: the fair ZeRO-3 baseline and prefetch against ZeRO++ (the overlap issue's table)
+OVERLAP = {  # --set overlap: every plan, the fair ZeRO-3 baseline and prefetch (the overlap issue's table)
+    "dp": ["train.plan=@dp()"],
+    "zero1": ["train.plan=@zero1()"],
+    "zero2": ["train.plan=@zero2()"],
     "zero3": ["train.plan=@zero3()"],
     "zero3_bf16grad": ["train.plan=@zero3()", "zero3.reduce_dtype='bfloat16'"],
     "zero3_prefetch": ["train.plan=@zero3()", "zero3.prefetch=True"],
     "zero3_bf16grad_prefetch": ["train.plan=@zero3()", "zero3.reduce_dtype='bfloat16'", "zero3.prefetch=True"],
     "zeropp": ["train.plan=@zeropp()"],
     "zeropp_prefetch": ["train.plan=@zeropp()", "zeropp.prefetch=True"],
+    "mics_node": ["train.plan=@mics()", "mics.sync_in_backward=True"],
 }
 TITLES = {"mics": "## MiCS partition groups on the emulated cluster",
-          "overlap": "## Overlap: T against C and W, 16-bit ZeRO-3 and prefetch"}
+          "overlap": "## Overlap: T against C and W for every plan, 16-bit ZeRO-3 and prefetch"}
 
 
 def plans_for(nodes: int, gpus: int, which: str = "mics") -> dict[str, list[str]]:
@@ -68,30 +72,31 @@ def plans_for(nodes: int, gpus: int, which: str = "mics") -> dict[str, list[str]
   return out
 
 
-def run_one(nodes, gpus, rate, accum, params, args) -> dict:
+def run_one(nodes, gpus, rate, accum, params, args, batch: int | None = None) -> dict:
   argv = ["--gin_file=configs/base.gin", f"--nodes={nodes}", f"--devices={gpus}", f"--rate={rate}",
           f"--steps={args.steps}", f"--gin_param=train.accum_steps={accum}",
+          *([f"--gin_param=train.batch_size={batch}"] if batch else []),
           *[f"--gin_param={p}" for p in params + args.gin_param]]
   return cluster.run(cluster.parser().parse_args(argv))
 
 
 def summarize(runs: list[dict]) -> list[dict]:
   rows = []
-  keys = sorted({(r["shape"], r["accum"], r["plan"]) for r in runs})
-  by = lambda **kw: [r for r in runs if all(r[k] == v for k, v in kw.items())]
-  for shape, accum, plan in keys:
-    c_runs = by(shape=shape, accum=accum, plan=plan, rate="none")
+  keys = sorted({(r["shape"], r.get("batch", 32), r["accum"], r["plan"]) for r in runs})
+  by = lambda **kw: [r for r in runs if all(r.get(k, 32) == v for k, v in kw.items())]
+  for shape, batch, accum, plan in keys:
+    c_runs = by(shape=shape, batch=batch, accum=accum, plan=plan, rate="none")
     c = statistics.median(r["t"] for r in c_runs) if c_runs else None
     for rate in sorted({r["rate"] for r in runs if r["rate"] != "none"}):
-      rs = by(shape=shape, accum=accum, plan=plan, rate=rate)
+      rs = by(shape=shape, batch=batch, accum=accum, plan=plan, rate=rate)
       if not rs:
         continue
       t = statistics.median(r["t"] for r in rs)
       bytes_ = statistics.median(r["bytes"] for r in rs)
       w = bytes_ / rate_bytes_per_s(rate)
-      base = by(shape=shape, accum=accum, plan="zero3", rate=rate)
+      base = by(shape=shape, batch=batch, accum=accum, plan="zero3", rate=rate)
       t3 = statistics.median(r["t"] for r in base) if base else None
-      rows.append({"shape": shape, "accum": accum, "plan": plan, "rate": rate, "T": t,
+      rows.append({"shape": shape, "batch": batch, "accum": accum, "plan": plan, "rate": rate, "T": t,
                    "T_min": min(r["t"] for r in rs), "T_max": max(r["t"] for r in rs), "reps": len(rs),
                    "C": c, "W": w, "cross_node_MB_per_step": bytes_ / 1e6,
                    "T_over_max_CW": t / max(c, w) if c else None,
@@ -100,19 +105,24 @@ def summarize(runs: list[dict]) -> list[dict]:
   return rows
 
 
+def title(which: str, batches: list[int]) -> str:
+  """The RESULTS.md section of a set; runs at other batch sizes than the default 32 get their own."""
+  return TITLES[which] + ("" if batches == [32] else f" (batch {', '.join(map(str, batches))})")
+
+
 def markdown(report: dict) -> str:
-  lines = [TITLES[report.get("set", "mics")], "",
-           f"{report['date']}, {report['cpus']} CPU cores, default GPT, batch 32, `benchmarks/bench_mics.py "
+  lines = [title(report.get("set", "mics"), report.get("batches", [32])), "",
+           f"{report['date']}, {report['cpus']} CPU cores, default GPT, `benchmarks/bench_mics.py "
            f"{' '.join(report['argv'])}`. Medians of {report['reps']} interleaved repetitions (min–max in "
            "brackets). C: the same plan's step time on unshaped links; W: measured cross-node payload bytes "
            "per step per node / link rate; T / max(C, W) = 1 is the physical limit; overlap efficiency "
            "η = (C + W − T) / min(C, W) (1: the shorter of compute and wire fully hidden, 0: none).", "",
-           "| nodes x gpus | accum | rate | plan | T s/step | C | W | T/max(C,W) | η | cross-node MB/step | vs ZeRO-3 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| nodes x gpus | batch | accum | rate | plan | T s/step | C | W | T/max(C,W) | η | cross-node MB/step | vs ZeRO-3 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in report["rows"]:
     if r["C"] is None:  # --no_unshaped: C comes from the invocation this one is merged with
       continue
-    lines.append(f"| {r['shape']} | {r['accum']} | {r['rate']} | {r['plan']} | {r['T']:.3f} [{r['T_min']:.3f}–"
+    lines.append(f"| {r['shape']} | {r.get('batch', 32)} | {r['accum']} | {r['rate']} | {r['plan']} | {r['T']:.3f} [{r['T_min']:.3f}–"
                  f"{r['T_max']:.3f}] | {r['C']:.3f} | {r['W']:.3f} | {r['T_over_max_CW']:.2f} | {r['eta']:.2f} | "
                  f"{r['cross_node_MB_per_step']:.2f} | {r['speedup_vs_zero3']:.2f}x |")
   return "\n".join(lines) + "\n"
@@ -120,8 +130,8 @@ def markdown(report: dict) -> str:
 
 def write_section(path: str, text: str, marker: str = "## MiCS partition groups on the emulated cluster") -> None:
   old = open(path).read() if os.path.exists(path) else ""
-  if marker in old:
-    start = old.index(marker)
+  if marker + "\n" in old:  # the whole heading line: "(batch 8)" sections are not the default's
+    start = old.index(marker + "\n")
     nxt = old.find("\n## ", start + len(marker))
     old = old[:start] + old[nxt + 1:] if nxt >= 0 else old[:start]
   with open(path, "w") as f:
@@ -133,6 +143,7 @@ def main(argv=None) -> int:
   ap.add_argument("--shapes", default="2x4,4x2", help="NODESxGPUS list")
   ap.add_argument("--rates", default="100mbit,1gbit", help="link rates; unshaped runs (C) are added")
   ap.add_argument("--accum", default="1,4", help="train.accum_steps values")
+  ap.add_argument("--batches", default="32", help="train.batch_size values")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--no_unshaped", action="store_true", help="skip the unshaped runs (C measured by another "
                   "invocation whose JSON is merged with this one)")
@@ -151,27 +162,30 @@ def main(argv=None) -> int:
   shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
   rates = [r for r in args.rates.split(",") if r] + ([] if args.no_unshaped else ["none"])
   accums = [int(a) for a in args.accum.split(",")]
+  batches = [int(b) for b in args.batches.split(",")]
   only = set(args.plans.split(",")) if args.plans else None
   keep = lambda name, accum: (not only or name in only) and (not name.endswith("_flat") or accum == args.flat_accum)
   runs = []
-  total = args.reps * sum(len(rates) * len([p for a in accums for p in plans_for(*s, args.set) if keep(p, a)]) for s in shapes)
+  total = args.reps * len(batches) * sum(
+      len(rates) * len([p for a in accums for p in plans_for(*s, args.set) if keep(p, a)]) for s in shapes)
   for rep in range(args.reps):
     for nodes, gpus in shapes:
-      for accum in accums:
+      for batch, accum in [(b, a) for b in batches for a in accums]:
         for rate in rates:
           for name, params in plans_for(nodes, gpus, args.set).items():
             if not keep(name, accum):
               continue
-            r = run_one(nodes, gpus, rate, accum, params, args)
-            runs.append({"shape": f"{nodes}x{gpus}", "accum": accum, "rate": rate, "plan": name, "rep": rep,
-                         "t": r["median_step_time_s"], "bytes": r["cross_node_payload_bytes_per_step_per_node"]})
-            print(f"bench_mics: [{len(runs)}/{total}] {nodes}x{gpus} accum {accum} {rate} {name}: "
+            r = run_one(nodes, gpus, rate, accum, params, args, batch)
+            runs.append({"shape": f"{nodes}x{gpus}", "batch": batch, "accum": accum, "rate": rate, "plan": name,
+                         "rep": rep, "t": r["median_step_time_s"],
+                         "bytes": r["cross_node_payload_bytes_per_step_per_node"]})
+            print(f"bench_mics: [{len(runs)}/{total}] {nodes}x{gpus} batch {batch} accum {accum} {rate} {name}: "
                   f"{r['median_step_time_s']:.3f} s/step", file=sys.stderr, flush=True)
   report = {"argv": sys.argv[1:] if argv is None else list(argv), "date": datetime.date.today().isoformat(),
-            "cpus": os.cpu_count(), "reps": args.reps, "set": args.set, "runs": runs, "rows": summarize(runs)}
+            "cpus": os.cpu_count(), "reps": args.reps, "set": args.set, "batches": batches, "runs": runs, "rows": summarize(runs)}
   with open(args.json, "w") as f:
     json.dump(report, f, indent=2)
-  write_section(args.results, markdown(report), TITLES[args.set])
+  write_section(args.results, markdown(report), title(args.set, batches))
   print(json.dumps(report["rows"], indent=2))
   return 0
 

@@ -6,8 +6,8 @@ planner rank every point of the plan space for the default config (`python -m ze
 every point (and ZeRO++) on the cluster, `--reps` interleaved rounds, and compare the medians with three
 models of the step (`zerojax.planner.compute`):
 
-  uniform   DP's compute + every collective from the profile (AMSP's model as written; the old one)
-  anchors   compute fitted on DP, ZeRO-1, ZeRO-2, ZeRO-3 + node-spanning collectives (the default)
+  uniform   DP's compute + every collective from the profile (AMSP's model as written; the default)
+  anchors   compute fitted on DP, ZeRO-1, ZeRO-2, ZeRO-3 + node-spanning collectives
   measured  each plan's own compute + node-spanning collectives (`--measure_compute`)
 
 For each: Spearman's rank correlation of predicted and measured step times, and the measured time of
@@ -144,8 +144,8 @@ def markdown(report: dict) -> str:
            (f"{report['date']}, {report['cpus']} CPU cores, {report['nodes']} nodes x {report['devices']} devices, "
            f"default GPT, accumulation {report['accum']}, `benchmarks/bench_planner.py {' '.join(report['argv'])}`. "
            f"Measured: median step time of {report['reps']} interleaved run(s) per plan. Predicted, three models "
-           "(`zerojax.planner.compute`): *uniform* = DP's compute + every collective from a profile measured on the "
-           "same emulated cluster (AMSP's model as written); *anchors* (the default) = compute fitted on DP, ZeRO-1, "
+           "(`zerojax.planner.compute`): *uniform* (the default) = DP's compute + every collective from a profile "
+           "measured on the same emulated cluster (AMSP's model as written); *anchors* = compute fitted on DP, ZeRO-1, "
            "ZeRO-2 and ZeRO-3 measured in one process + the node-spanning collectives; *measured* "
            "(`--measure_compute`) = each plan's compute measured in one process + the node-spanning collectives."), ""]
   for rate, r in report["rates"].items():
@@ -155,11 +155,12 @@ def markdown(report: dict) -> str:
     for m, j in r["models"].items():
       lines.append(f"| {m} | {j['spearman']:.2f} | `{j['chosen']}` | {j['chosen_measured_s']:.3f} | "
                    f"{j['chosen_over_best']:.2f} |")
-    lines += ["", "| plan | uniform s | anchors s | measured-compute s | node-spanning comm s | measured s/step |",
+    lines += ["", "| plan | uniform s | anchors s | measured-compute s | node-spanning comm s | measured s/step [min–max] |",
               "|---|---|---|---|---|---|"]
     for row in sorted(r["rows"], key=lambda x: x["measured_s"]):
       lines.append(f"| {row['plan']} | {row['predicted_uniform_s']:.3f} | {row['predicted_anchors_s']:.3f} | "
-                   f"{row['predicted_measured_s']:.3f} | {row['predicted_comm_s']:.3f} | {row['measured_s']:.3f} |")
+                   f"{row['predicted_measured_s']:.3f} | {row['predicted_comm_s']:.3f} | {row['measured_s']:.3f} "
+                   f"[{row['measured_min_max'][0]:.3f}–{row['measured_min_max'][1]:.3f}] |")
     lines.append("")
   return "\n".join(lines)
 

@@ -169,7 +169,7 @@ def test_plan_command_ranks_a_gin_config(tmp_path, capsys):
   path.write_text(json.dumps(synthetic_profile(2, 4, intra=1e-10, inter=1e-7)))
   gin.clear_config()
   try:
-    plan_cli.main(["--gin_file=configs/zero3.gin", "--gin_param=model_config.d_model=32",
+    plan_cli.main(["--gin_file=configs/zero3.gin", "--compute=anchors", "--gin_param=model_config.d_model=32",
                    "--gin_param=model_config.num_layers=2", "--gin_param=model_config.seq_len=16",
                    "--gin_param=train.batch_size=8", f"--profile={path}", "--json"])
   finally:

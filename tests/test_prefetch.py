@@ -41,7 +41,8 @@ def step(plan: zerojax.Plan, layers: int = 4):
 
 
 F32 = {"param_dtype": "float32"}
-EXACT = {"zero3": (zerojax.zero3(**F32), 4), "mics-sync": (zerojax.mics(sync_in_backward=True, **F32), 1)}
+EXACT = {"zero3": (zerojax.zero3(**F32), 4), "mics-sync": (zerojax.mics(sync_in_backward=True, **F32), 1),
+         "zero2": (zerojax.zero2(**F32), 2)}  # no gathers: the backward's reduction of layer i+1 runs ahead
 QUANTIZED = {"zeropp": (zerojax.zeropp(**F32), 4),  # qwZ, hpZ, qgZ
              "qwz-hierarchical-qgz": (zerojax.zeropp(secondary_axes=None, hierarchical=True, **F32), 2)}
 

@@ -1,10 +1,10 @@
 """Picks a plan for a model and a cluster: `python -m zerojax.cli.plan --gin_file=... --profile=P.json`.
 
 Builds the gin config's model as `train.py` would and ranks every point of AMSP's plan space by
-predicted step time: each plan's compute (`--compute`, `zerojax.planner.compute`: "anchors", the
-default, measures DP, ZeRO-1, ZeRO-2 and ZeRO-3 in this process and fits the rest; "measured" or
-`--measure_compute` measures every plan; "uniform" charges every plan DP's) plus the profile's α-β fits
-of the collectives that span nodes (all of them with "uniform"), and prints the table: plan, shard
+predicted step time: each plan's compute (`--compute`, `zerojax.planner.compute`: "uniform", the
+default, charges every plan DP's step measured in this process; "anchors" measures DP, ZeRO-1, ZeRO-2
+and ZeRO-3 and fits the rest; "measured" or `--measure_compute` measures every plan) plus the profile's
+α-β fits of the collectives (only those that span nodes with "anchors"/"measured"), and prints the table: plan, shard
 degrees, compute, communication and step seconds, bytes per device (model states + the compiled step's
 activations and temporaries), whether it fits `--memory_cap_gb`. `--json` prints the rows as JSON, each
 with `T_step_uniform`, the step AMSP's uniform-compute model predicts. Without `--profile` the
@@ -26,8 +26,9 @@ def main(argv=None) -> int:
   ap.add_argument("--profile", default=None, help="JSON from `python -m zerojax.planner.profile`")
   ap.add_argument("--memory_cap_gb", type=float, default=None, help="per-device memory cap in GiB")
   ap.add_argument("--zeropp", action="store_true", help="also rank ZeRO++ variants (qwZ/hpZ/qgZ)")
-  ap.add_argument("--compute", default="anchors", choices=("uniform", "anchors", "measured"),
-                  help="how each plan's compute is known (default: four anchor plans measured, the rest fitted)")
+  ap.add_argument("--compute", default="uniform", choices=("uniform", "anchors", "measured"),
+                  help="how each plan's compute is known (default: DP's step, the same for every plan; it "
+                  "ranked best on the emulated cluster, benchmarks/RESULTS.md)")
   ap.add_argument("--measure_compute", action="store_true", help="measure every plan's compute (= --compute "
                   "measured; one compile and a few steps per plan)")
   ap.add_argument("--overlap", default="none", choices=("none", "full"),

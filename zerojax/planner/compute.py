@@ -6,8 +6,8 @@ recomputed, in backward; sharded gradients (s_g > 1) are reduce-scattered every 
 accumulated in place; the optimizer updates Φ/s_os elements; qwZ/qgZ add quantize/dequantize kernels.
 The planner gets each plan's compute C(plan) in one of three ways (`mode`):
 
-  uniform   C = the DP step measured once, the same for every plan (AMSP as written).
-  anchors   (default) the step of a few anchor plans (DP, ZeRO-1, ZeRO-2, ZeRO-3, and ZeRO-3 + ZeRO++
+  uniform   (default) C = the DP step measured once, the same for every plan (AMSP as written).
+  anchors   the step of a few anchor plans (DP, ZeRO-1, ZeRO-2, ZeRO-3, and ZeRO-3 + ZeRO++
             when those are ranked) is measured in this process, and C(plan) = c · f(plan) is fitted on
             them, with features f = (1, optimizer elements Φ/s_os, gradient bytes reduced per step when
             s_g > 1, parameter bytes gathered per step when s_p > 1 (gather + recompute), bytes
@@ -19,6 +19,12 @@ the collectives inside a node; the planner then adds from the profile only the c
 span nodes (`cost.comm_time(..., spanning_only=True)`). On a cluster whose nodes are single processes
 (the emulated cluster, or one GPU node measured alone) this is the honest split: the in-node part is
 measured, the cross-node part is modelled.
+
+Uniform is the default because it ranked best where it was checked: on the emulated cluster (2 x 4,
+accumulation 4, `benchmarks/bench_planner.py`) Spearman 0.82 / 0.69 at 100 Mbit/s / 1 Gbit/s, against
+0.79 / 0.33 (anchors) and 0.77 / 0.43 (measured). One-process step times of the same plan varied by up to
+1.6x between two measurements a few minutes apart, more than the plans differ in compute, and a fit on
+four such anchors amplifies it; per-plan compute pays where plans differ in compute by more than that.
 
 References:
   AMSP: Chen et al. 2023, §IV-C (communication model), §V-C (recompute), Table V (overlap).
@@ -88,12 +94,12 @@ def measure(executor, batch, reps: int = 3) -> tuple[float, int]:
 
 
 def per_plan(make_executor, points: list[Point], nodes: int, gpus: int, work: Workload, batch, *,
-             mode: str = "anchors", zeropp: bool = False, reps: int = 3, log=None) -> dict:
+             mode: str = "uniform", zeropp: bool = False, reps: int = 3, log=None) -> dict:
   """{"mode", "compute_s": {plan name: s}, "temp_bytes": {plan name: bytes}, "measured": {name: s},
   "dp_s"}: each point's compute in `mode`. `make_executor(Plan)` builds an executor on this process's
   devices; `points` are the plans to rank."""
   if mode not in MODES:
-    raise ValueError(f"compute mode {mode!r} is not one of {MODES}; use 'anchors' (default) or 'measured'")
+    raise ValueError(f"compute mode {mode!r} is not one of {MODES}; use 'uniform' (default), 'anchors' or 'measured'")
   world = nodes * gpus
   todo = points if mode == "measured" else anchors(world, zeropp) if mode == "anchors" else [Point(1, 1, 1)]
   seconds, temp = {}, {}

@@ -119,14 +119,15 @@ class Auto:
     profile: a profile JSON written by `python -m zerojax.planner.profile` (None: measure one now).
     memory_cap_gb: per-device memory available for model states and activations (None: no cap).
     zeropp: also consider ZeRO++'s qwZ/hpZ/qgZ on every point with sharded parameters.
-    compute: how each plan's compute is known (`planner.compute`): "anchors" (default: four plans
-      measured in this process, the rest fitted), "measured" (every plan measured), "uniform" (DP's).
+    compute: how each plan's compute is known (`planner.compute`): "uniform" (default: DP's step
+      measured in this process, every collective from the profile; it ranked plans best on the emulated
+      cluster), "anchors" (four plans measured, the rest fitted), "measured" (every plan measured).
     overlap: "none" (step = compute + communication) or "full" (the larger of the two).
   """
   profile: str | None = None
   memory_cap_gb: float | None = None
   zeropp: bool = False
-  compute: str = "anchors"
+  compute: str = "uniform"
   overlap: str = "none"
   name: str = "auto"
 
@@ -163,6 +164,6 @@ class Auto:
 
 
 def auto(profile: str | None = None, memory_cap_gb: float | None = None, zeropp: bool = False,
-         compute: str = "anchors", overlap: str = "none") -> Auto:
+         compute: str = "uniform", overlap: str = "none") -> Auto:
   """The AMSP planner as a plan value (gin: `train.plan = @auto()`, `auto.profile = 'p.json'`)."""
   return Auto(profile, memory_cap_gb, zeropp, compute, overlap)
