@@ -15,8 +15,16 @@ cluster (`mics.group_size` = G/2, G, 2G, ...), plus the 2-node group with a flat
 = False`) to compare with the hierarchical one. Prints JSON, writes `benchmarks/mics.json` and the MiCS
 section of `benchmarks/RESULTS.md`.
 
+`--set overlap` runs every plan instead (DP, ZeRO-1/2/3, ZeRO-3 with 16-bit gradients, prefetch, ZeRO++,
+MiCS with group = node) and adds η = (C + W − T) / min(C, W); `--batches 32,8` repeats the grid per
+batch size (a section of its own for batches other than 32):
+
+  sudo python benchmarks/bench_mics.py --set overlap --shapes 2x4 --rates 100mbit,1gbit --accum 1 \
+      --batches 32 --reps 3 --json benchmarks/overlap.json
+
 References:
   MiCS: Zhang et al. 2022, §3.2 (group sizes), §3.3 (hierarchical gather), §3.4 (2-hop sync).
+  ZeRO: Rajbhandari et al. 2020, §7 (overlap); ZeRO++: Wang et al. 2023, §5 (the 16-bit baseline).
 """
 from __future__ import annotations
 
