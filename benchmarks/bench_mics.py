@@ -80,18 +80,17 @@ def plans_for(nodes: int, gpus: int, which: str = "mics") -> dict[str, list[str]
   return out
 
 
-def run_one(nodes, gpus, rate, accum, params, args, batch: int | None = None) -> dict:
+def run_one(nodes, gpus, rate, accum, params, args, batch: int = 32) -> dict:
   argv = ["--gin_file=configs/base.gin", f"--nodes={nodes}", f"--devices={gpus}", f"--rate={rate}",
-          f"--steps={args.steps}", f"--gin_param=train.accum_steps={accum}",
-          *([f"--gin_param=train.batch_size={batch}"] if batch else []),
+          f"--steps={args.steps}", f"--gin_param=train.accum_steps={accum}", f"--gin_param=train.batch_size={batch}",
           *[f"--gin_param={p}" for p in params + args.gin_param]]
   return cluster.run(cluster.parser().parse_args(argv))
 
 
 def summarize(runs: list[dict]) -> list[dict]:
   rows = []
-  keys = sorted({(r["shape"], r.get("batch", 32), r["accum"], r["plan"]) for r in runs})
-  by = lambda **kw: [r for r in runs if all(r.get(k, 32) == v for k, v in kw.items())]
+  keys = sorted({(r["shape"], r["batch"], r["accum"], r["plan"]) for r in runs})
+  by = lambda **kw: [r for r in runs if all(r[k] == v for k, v in kw.items())]
   for shape, batch, accum, plan in keys:
     c_runs = by(shape=shape, batch=batch, accum=accum, plan=plan, rate="none")
     c = statistics.median(r["t"] for r in c_runs) if c_runs else None
@@ -119,7 +118,7 @@ def title(which: str, batches: list[int]) -> str:
 
 
 def markdown(report: dict) -> str:
-  lines = [title(report.get("set", "mics"), report.get("batches", [32])), "",
+  lines = [title(report["set"], report["batches"]), "",
            f"{report['date']}, {report['cpus']} CPU cores, default GPT, `benchmarks/bench_mics.py "
            f"{' '.join(report['argv'])}`. Medians of {report['reps']} interleaved repetitions (min–max in "
            "brackets). C: the same plan's step time on unshaped links; W: measured cross-node payload bytes "
@@ -130,8 +129,8 @@ def markdown(report: dict) -> str:
   for r in report["rows"]:
     if r["C"] is None:  # --no_unshaped: C comes from the invocation this one is merged with
       continue
-    lines.append(f"| {r['shape']} | {r.get('batch', 32)} | {r['accum']} | {r['rate']} | {r['plan']} | {r['T']:.3f} [{r['T_min']:.3f}–"
-                 f"{r['T_max']:.3f}] | {r['C']:.3f} | {r['W']:.3f} | {r['T_over_max_CW']:.2f} | {r['eta']:.2f} | "
+    lines.append(f"| {r['shape']} | {r['batch']} | {r['accum']} | {r['rate']} | {r['plan']} | "
+                 f"{r['T']:.3f} [{r['T_min']:.3f}–{r['T_max']:.3f}] | {r['C']:.3f} | {r['W']:.3f} | {r['T_over_max_CW']:.2f} | {r['eta']:.2f} | "
                  f"{r['cross_node_MB_per_step']:.2f} | {r['speedup_vs_zero3']:.2f}x |")
   return "\n".join(lines) + "\n"
 
@@ -190,7 +189,8 @@ def main(argv=None) -> int:
             print(f"bench_mics: [{len(runs)}/{total}] {nodes}x{gpus} batch {batch} accum {accum} {rate} {name}: "
                   f"{r['median_step_time_s']:.3f} s/step", file=sys.stderr, flush=True)
   report = {"argv": sys.argv[1:] if argv is None else list(argv), "date": datetime.date.today().isoformat(),
-            "cpus": os.cpu_count(), "reps": args.reps, "set": args.set, "batches": batches, "runs": runs, "rows": summarize(runs)}
+            "cpus": os.cpu_count(), "reps": args.reps, "set": args.set, "batches": batches, "runs": runs,
+            "rows": summarize(runs)}
   with open(args.json, "w") as f:
     json.dump(report, f, indent=2)
   write_section(args.results, markdown(report), title(args.set, batches))

@@ -24,10 +24,7 @@ import numpy as np
 import zerojax
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax.train.optim import make_optimizer
-
-
-def spread(values):
-  return {"median": float(statistics.median(values)), "min": float(min(values)), "max": float(max(values))}
+from bench_plans import spread  # benchmarks/, this script's directory
 
 
 def main(argv=None):

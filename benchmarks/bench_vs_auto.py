@@ -39,6 +39,7 @@ import zerojax
 from zerojax import analysis
 from zerojax.models.gpt import Block, GPTConfig, _embed, _head_loss, gpt
 from zerojax.train.optim import make_optimizer
+from bench_plans import spread  # benchmarks/, this script's directory
 
 DATA = ("node", "gpu")
 # The embedding dimension of each weight matrix (MaxText's "embed" logical axis): wte [vocab, d],
@@ -112,10 +113,6 @@ def gspmd_step(cfg, params, opt, mesh, accum, remat):
   jitted = jax.jit(step, in_shardings=(p_sh, o_sh, b_sh), out_shardings=(p_sh, o_sh, NamedSharding(mesh, P())),
                    donate_argnums=(0, 1))
   return jitted, params, opt_state, b_sh
-
-
-def spread(values):
-  return {"median": float(statistics.median(values)), "min": float(min(values)), "max": float(max(values))}
 
 
 def main(argv=None):

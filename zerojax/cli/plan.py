@@ -4,9 +4,9 @@ Builds the gin config's model as `train.py` would and ranks every point of AMSP'
 predicted step time: each plan's compute (`--compute`, `zerojax.planner.compute`: "uniform", the
 default, charges every plan DP's step measured in this process; "anchors" measures DP, ZeRO-1, ZeRO-2
 and ZeRO-3 and fits the rest; "measured" or `--measure_compute` measures every plan) plus the profile's
-α-β fits of the collectives (only those that span nodes with "anchors"/"measured"), and prints the table: plan, shard
-degrees, compute, communication and step seconds, bytes per device (model states + the compiled step's
-activations and temporaries), whether it fits `--memory_cap_gb`. `--json` prints the rows as JSON, each
+α-β fits of the collectives (only those that span nodes with "anchors"/"measured"), and prints the
+table: plan, shard degrees, compute, communication and step seconds, bytes per device (model states +
+the compiled step's activations and temporaries), whether it fits `--memory_cap_gb`. `--json` prints the rows as JSON, each
 with `T_step_uniform`, the step AMSP's uniform-compute model predicts. Without `--profile` the
 collectives are profiled now, on this process's devices.
 """
