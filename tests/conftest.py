@@ -17,10 +17,17 @@ def _has_gpu() -> bool:
     return False
 
 
+SLOW_KINDS = ("e2e", "multiprocess", "gpu_compile")  # each of these is also `slow`: not in the fast suite
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+      item.add_marker(pytest.mark.slow)
   if _has_gpu():
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU; the same behaviour is covered on CPU")
   for item in items:
-    if "gpu" in item.keywords:
+    if item.get_closest_marker("gpu"):
       item.add_marker(skip)
