@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax.train.optim import decay_mask
@@ -86,3 +87,14 @@ def reference_case():
   params = jax.jit(model.init)(jax.random.key(0))
   batch = batches(1, 2)[0]
   return model, params, batch, reference_grads(model, params, batch)
+
+
+def sweep(points, fast):
+  """A parameter sweep for `pytest.mark.parametrize` whose points outside `fast` are marked `slow`: the fast
+  suite runs the representative points, `pytest -m ''` the whole sweep. A point that is a tuple fills
+  several argument names."""
+  fast = list(fast)
+  unknown = [p for p in fast if p not in points]
+  assert not unknown, f"fast points {unknown} are not in the sweep"
+  as_param = lambda p, marks=(): pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=marks)
+  return [as_param(p) if p in fast else as_param(p, pytest.mark.slow) for p in points]
