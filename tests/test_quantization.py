@@ -345,7 +345,7 @@ def test_pallas_kernels_lower_to_triton_for_cuda():
     qv, qs = Q.dequant_sum_quantize(v, s, bits, BLOCK, out_bits=out_bits, backend="pallas")
     return (Q.quantize(x, bits, BLOCK, backend="pallas"),
             Q.dequantize(qv, qs, out_bits, BLOCK, dtype=jnp.bfloat16, backend="pallas"),
-            Q.dequant_sum(v, s, bits, BLOCK, backend="pallas"))
+            Q.dequant_sum(v, s, bits, BLOCK, rotate=True, backend="pallas"))
 
   target = "__gpu$xla.gpu.triton"
   for bits, out_bits in [(8, 4), (4, 8)]:
