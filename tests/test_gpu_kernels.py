@@ -167,13 +167,16 @@ def test_pallas_refuses_what_it_cannot_lower(platform, block, error, match):
 @pytest.mark.gpu_compile
 @pytest.mark.slow
 @needs_plugin
-def test_zeropp_train_step_with_pallas_compiles_triton_kernels_for_h100s():
-  """A ZeRO++ step with kernel_backend="pallas" compiled for 2 x 4 H100s runs its quantization
-  (qwZ gathers, qgZ reductions) in Triton kernels, none interpreted."""
+@pytest.mark.parametrize("rotate", [False, True])
+def test_zeropp_train_step_with_pallas_compiles_triton_kernels_for_h100s(rotate):
+  """A ZeRO++ step with kernel_backend="pallas" compiled for 2 x 4 H100s runs its quantization in
+  Triton kernels, none interpreted: per unit (embed, scanned blocks, head) the qwZ gather quantizes
+  and dequantizes, and the qgZ reduction reorders+quantizes, dequantizes-sums-requantizes inside the
+  node and dequantizes-sums across nodes."""
   import zerojax
   from tests.helpers import TINY, optimizer, tiny_gpt
   mesh = Mesh(np.array(_devices("h100", "1x2x4")).reshape(N, G), ("node", "gpu"))
-  plan = zerojax.plan.zeropp(kernel_backend="pallas")
+  plan = zerojax.plan.zeropp(kernel_backend="pallas", rotate=rotate)
   ex = zerojax.Executor(tiny_gpt(), optimizer(), plan, mesh, accum_steps=1)
   shapes = jax.eval_shape(ex.init, jax.random.key(0))
   state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
@@ -182,8 +185,11 @@ def test_zeropp_train_step_with_pallas_compiles_triton_kernels_for_h100s():
   hlo = ex.step_fn().lower(state, batch).compile().as_text()
   triton, interpreted = kernels_in(hlo)
   assert not interpreted, dict(interpreted)
-  assert triton["zerojax_quantize"] > 0 and triton["zerojax_dequant_sum"] > 0, triton
-  assert sum(triton.values()) == hlo.count(PALLAS_TRITON)
+  units = len(ex.param_specs)
+  assert triton == {k: units for k in ("zerojax_quantize", "zerojax_dequantize",
+                                       "zerojax_reorder_quantize", "zerojax_dequant_sum_quantize",
+                                       "zerojax_dequant_sum")}, triton
+  assert hlo.count(PALLAS_TRITON) == 5 * units
 
 
 # --- jax-triton -----------------------------------------------------------------------------------
