@@ -10,6 +10,7 @@ another implementation silently. Platforms without a branch are refused the same
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -18,18 +19,12 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 
+@dataclasses.dataclass(frozen=True)
 class Refusal:
   """A branch that must not be lowered: `error(message)` is raised when it is ("{platform}" in the
   message is replaced by the platform being lowered for)."""
-
-  def __init__(self, message: str, error: type[Exception] = NotImplementedError):
-    self.message, self.error = message, error
-
-  def __eq__(self, other):
-    return isinstance(other, Refusal) and (self.message, self.error) == (other.message, other.error)
-
-  def __hash__(self):
-    return hash((self.message, self.error))
+  message: str
+  error: type[Exception] = NotImplementedError
 
   def raise_for(self, platform: str):
     raise self.error(self.message.replace("{platform}", platform))
@@ -54,8 +49,8 @@ _refused_p.def_impl(_refused_impl)
 mlir.register_lowering(_refused_p, _refused_lowering)
 
 NO_KERNEL = Refusal(
-    "the zerojax kernels lower for cuda (Triton) and cpu (the Pallas interpreter), not for"
-    " {platform}; use backend='xla'")
+    "the zerojax kernels (backend='pallas' or 'triton') have no implementation for {platform};"
+    " use backend='xla'")
 
 
 def choose(*args, cpu: Callable | Refusal, cuda: Callable | Refusal, like: Callable | None = None):

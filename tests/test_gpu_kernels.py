@@ -153,7 +153,7 @@ def test_kernels_in_counts_the_interpreter():
 
 @pytest.mark.parametrize("platform,block,error,match", [
     ("cuda", 48, ValueError, "power-of-two block"),
-    ("tpu", 64, NotImplementedError, "not for tpu; use backend='xla'"),
+    ("tpu", 64, NotImplementedError, "no implementation for tpu; use backend='xla'"),
 ])
 def test_pallas_refuses_what_it_cannot_lower(platform, block, error, match):
   """Lowered for a platform it has no kernel for, the Pallas backend raises (never falls back)."""
