@@ -144,7 +144,7 @@ def test_pallas_kernels_compile_to_triton_for_gpus(target):
 
 def test_kernels_in_counts_the_interpreter():
   """The criterion above, on a program that runs the Pallas interpreter (lowered for the CPU)."""
-  hlo = jax.jit(functools.partial(_program, backend="pallas")).lower(_x()).compile().as_text()
+  hlo = jax.jit(lambda x: _all_ops(x, 8, "pallas")).lower(_x()).compile().as_text()
   triton, interpreted = kernels_in(hlo)
   assert not any(triton.values())
   assert set(interpreted) == {"zerojax_quantize", "zerojax_dequantize", "zerojax_reorder_quantize",
