@@ -4,8 +4,6 @@ their own block class as the unit: one step equals the plain flax `apply` + opta
 contact fails at wrap time in one line naming the fix; the "Bring a Hugging Face Flax model" section runs
 as written."""
 import functools
-import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ from transformers.models.llama.modeling_flax_llama import FlaxLlamaDecoderLayer 
 
 import zerojax  # noqa: E402
 from tests import flax_models as fm  # noqa: E402
+from tests.doc_sections import code_blocks  # noqa: E402
 from tests import helpers  # noqa: E402
 from zerojax import layout as layout_lib  # noqa: E402
 
@@ -208,21 +207,10 @@ def test_logical_params_placement(mesh):
 SECTION = "Bring a Hugging Face Flax model"
 
 
-def section_code() -> list[str]:
-  """The python code blocks of the section, from README.md when it has it, else docs/huggingface.md."""
-  root = pathlib.Path(__file__).parents[1]
-  for path in (root / "README.md", root / "docs" / "huggingface.md"):
-    text = path.read_text() if path.exists() else ""
-    m = re.search(rf"^(#+) {re.escape(SECTION)}\n(.*?)(?=^\1 |\Z)", text, re.S | re.M)
-    if m:
-      return re.findall(r"```python\n(.*?)```", m.group(2), re.S)
-  raise AssertionError(f"no section '{SECTION}' in README.md or docs/huggingface.md")
-
-
 @pytest.mark.slow
 def test_docs_section_runs(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  code = section_code()
+  code = code_blocks(SECTION, "huggingface.md")
   assert len(code) >= 3
   scope = {}
   for i, block in enumerate(code):

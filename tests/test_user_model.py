@@ -7,52 +7,21 @@ import sys
 
 import pytest
 
+from tests.doc_sections import code_blocks
 from tests.test_train import ROOT, clean_env, saved_steps, steps_of
 from zerojax.train import user_model
 from zerojax.train.config import ConfigError
 
-USER_MODEL = '''
-import flax.linen as nn
-import jax.numpy as jnp
-import optax
-
-import zerojax
-
-
-class Block(nn.Module):
-  @nn.compact
-  def __call__(self, x, train=False):
-    h = nn.Dense(32)(nn.LayerNorm()(x))
-    return x + nn.Dropout(0.1, deterministic=not train)(nn.Dense(x.shape[-1])(nn.gelu(h)))
-
-
-class LM(nn.Module):
-  vocab_size: int
-
-  @nn.compact
-  def __call__(self, tokens, train=False):
-    x = nn.Embed(self.vocab_size, 16)(tokens)
-    for _ in range(2):
-      x = Block()(x, train)
-    return nn.Dense(self.vocab_size)(x)
-
-
-def build(vocab_size, seq_len):
-  def loss_fn(apply, tokens, rng):
-    logits = apply(tokens[:, :-1], train=rng is not None)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-  return zerojax.from_linen(LM(vocab_size), jnp.zeros((2, seq_len + 1), jnp.int32), loss_fn, units=(Block,),
-                            rngs=("dropout",))
-
+NOT_A_MODEL = """
 
 def not_a_model(vocab_size, seq_len):
   return LM(vocab_size)
-'''
+"""
 
 
 @pytest.fixture
 def user_dir(tmp_path):
-  (tmp_path / "my_model.py").write_text(USER_MODEL)
+  (tmp_path / "my_model.py").write_text(code_blocks("Your own model", "user_model.md")[0] + NOT_A_MODEL)
   return tmp_path
 
 
@@ -74,7 +43,7 @@ def test_train_py_trains_a_model_from_the_users_file(user_dir):
   assert steps_of(work) == [1, 2, 3] and saved_steps(work) == [2, 3]
   summary = json.load(open(work / "summary.json"))
   assert summary["status"] == "finished" and summary["final_eval_loss"] > 0
-  # 16 parameters of width 16 to 32 per block: the user's model, not the GPT (d_model 128)
+  # the user's model (about 30k parameters), not the GPT (about 800k)
   assert summary["memory_bytes_per_device"]["numel_padded"] < 100_000
   assert f"train.model = '{user_dir / 'my_model.py'}:build'" in (work / "config.gin").read_text()
 
