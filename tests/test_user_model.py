@@ -2,6 +2,7 @@
 the loop, checkpoints, logs and config as for the built-in GPT; a bad `--model` is one line naming the fix."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -45,7 +46,8 @@ def test_train_py_trains_a_model_from_the_users_file(user_dir):
   assert summary["status"] == "finished" and summary["final_eval_loss"] > 0
   # the user's model (about 30k parameters), not the GPT (about 800k)
   assert summary["memory_bytes_per_device"]["numel_padded"] < 100_000
-  assert f"train.model = '{user_dir / 'my_model.py'}:build'" in (work / "config.gin").read_text()
+  config = re.sub(r"\\\n\s*", "", (work / "config.gin").read_text())  # gin wraps long values
+  assert f"train.model = '{user_dir / 'my_model.py'}:build'" in config
 
 
 @pytest.mark.parametrize("spec,match", [

@@ -197,6 +197,12 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
   Returns:
     The `Model`; `Executor.logical_params` returns the module's `params` tree, and
     `Executor.logical_variables` adds the other collections.
+
+  Raises:
+    TypeError: `module` is no linen Module (e.g. a Hugging Face wrapper: pass its `.module`).
+    ValueError: at wrap time, from a trial initialisation and training step traced with `jax.eval_shape`
+      (`zerojax.models.checks`): the module draws an rng stream not in `rngs`, `loss_fn` returns no
+      scalar loss or `(loss, aux)`, or the module calls a collective over an axis zerojax does not bind.
   """
   check_linen_module(module)
   units, mutable, rngs = tuple(units), tuple(mutable), tuple(rngs)
