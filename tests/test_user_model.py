@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.doc_sections import code_blocks
-from tests.test_train import ROOT, clean_env, saved_steps, steps_of
+from tests.test_train import ROOT, clean_env, error_line_of, run_main, saved_steps, steps_of
 from zerojax.train import user_model
 from zerojax.train.config import ConfigError
 
@@ -34,7 +34,7 @@ def run(cwd, *args):
   return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_train_py_trains_a_model_from_the_users_file(user_dir):
   """Run from the user's folder, as a user does: metrics, held-out loss, checkpoints, and a config.gin that
   names the file by its absolute path."""
@@ -69,3 +69,10 @@ def test_factory_that_returns_no_model(user_dir, monkeypatch):
     user_model.build("my_model.py:not_a_model", vocab_size=256, seq_len=16)
   assert "\n" not in str(e.value)
 
+
+def test_bad_model_on_the_command_line(user_dir, capsys, monkeypatch):
+  """`train.py --model=...` naming no function: one line, exit 2, before any compilation."""
+  monkeypatch.chdir(user_dir)
+  code, _, err = run_main(["--workdir=run", "--model=my_model.py:nope", "--gin_file=configs/zero3.gin"], capsys,
+                          monkeypatch)
+  assert code == 2 and "has no function 'nope'" in error_line_of(err)
