@@ -101,7 +101,7 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
           param_dtype: str | None = None, compute_dtype: str | None = None,
           secondary_group: int | None = None, export: bool = False,
           progress: bool = True, model: str | None = None) -> dict:
-  """Trains the GPT model on byte-level text under `plan` and writes metrics to `workdir`.
+  """Trains the GPT model (or your own, `model`) on byte-level text under `plan`; writes metrics to `workdir`.
 
   SIGINT (Ctrl-C) and SIGTERM finish the current step, save a checkpoint and stop (a second signal
   ends the process at once); the summary then says `stopped_by`.
