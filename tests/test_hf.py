@@ -178,7 +178,8 @@ def test_loss_fn_that_returns_no_scalar_loss(returns, match):
     out = apply(x, jnp.ones_like(x), jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape), deterministic=True)
     return returns(out, jnp.mean(out.logits))
 
-  with pytest.raises(ValueError, match=r"loss_fn must return a scalar loss or \(loss, aux\); it returned " + match) as e:
+  prefix = r"loss_fn must return a scalar loss or \(loss, aux\); it returned "
+  with pytest.raises(ValueError, match=prefix + match) as e:
     zerojax.from_linen(hf.module, tokens()[0, :2], loss_fn, units=(block,))
   one_line(e)
 
