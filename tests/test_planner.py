@@ -178,7 +178,7 @@ def test_plan_command_ranks_a_gin_config(tmp_path, capsys):
   try:
     plan_cli.main(["--gin_file=configs/zero3.gin", "--compute=anchors", "--gin_param=model_config.d_model=32",
                    "--gin_param=model_config.num_layers=2", "--gin_param=model_config.seq_len=16",
-                   "--gin_param=train.batch_size=8", f"--profile={path}", "--json"])
+                   "--gin_param=train.batch_size=8", f"--profile={path}", "--json", "--degrees_only"])
   finally:
     gin.clear_config()
   out = json.loads(capsys.readouterr().out)
