@@ -17,12 +17,21 @@ collectives of the emulated cluster block; `overlap="full"` T = max(C, T_comm), 
 overlap (AMSP §V-C, Table V). With `spanning_only` the collectives inside a node are left out: they are
 in a compute measured on this process's devices.
 
+The techniques of a point (`space.Point`) change these terms as the executor runs them (`comm_time`):
+qwZ's gathers move b/8 + 4/256 bytes per parameter, hpZ's backward gathers inside the node, a
+hierarchical gather is one across nodes (stride G) and one inside, qgZ and the 16-bit reduction are a
+two-hop all-to-all, r = 2 with the 16-bit reduction, and Radius sends a fraction of the replica
+all-reduce. What they add to compute, qwZ's and qgZ's quantize/dequantize kernels, is `quant_time`: the
+elements they touch per step times the seconds per element measured in this process
+(`Workload.quant_s_per_element`, `planner.compute.quant_rate`).
+
 Memory per device (AMSP §IV-D with this executor's mixed precision): b Φ/s_p + rΦ/s_g + (4 + o)Φ/s_os
-(o: optimizer-state bytes per parameter, 8 for Adam), plus hpZ's secondary shard, plus the activations
-and temporaries of the compiled step.
+(o: optimizer-state bytes per parameter, 8 for Adam), plus hpZ's secondary shard, Radius's residual,
+and the activations and temporaries of the compiled step.
 
 References:
   AMSP: Chen et al. 2023, §IV-C (T_p, T_g, T_os^0, T_os^1), §IV-D (memory), §V-B (solver).
+  ZeRO++: Wang et al. 2023, §3.1–3.3, §4.2. MiCS: Zhang et al. 2022, §3.3. Radius: Zheng & Zhang, §4.1.
 """
 from __future__ import annotations
 
