@@ -196,8 +196,17 @@ class Auto:
     nodes, gpus = mesh_lib.base_shape(mesh)
     lead = jax.process_index() == 0
     exists = agree.from_process0(bool(lead and self.profile and os.path.exists(self.profile)))
-    if exists:
-      return load_profile(self.profile, nodes, gpus) if lead or jax.process_count() == 1 else None
+    if exists:  # process 0 reads it; a file it cannot use stops every process with the same error
+      prof, error = None, None
+      if lead:
+        try:
+          prof = load_profile(self.profile, nodes, gpus)
+        except (PlanError, ValueError, OSError) as e:
+          error = str(e)
+      error = agree.from_process0(error)
+      if error:
+        raise PlanError(error)
+      return prof
     log(f"zerojax: auto: profiling the collectives of this {nodes} x {gpus} cluster"
         + (f" (no profile at {self.profile})" if self.profile else ""))
     prof = profile_lib.profile(mesh, [65536, 524288, 2097152])
@@ -219,11 +228,11 @@ class Auto:
     cap = self.memory_cap_gb * 2**30 if self.memory_cap_gb else None
     decision = None
     if jax.process_index() == 0:
-      rows = rank(nodes, gpus, work, prof, memory_cap_bytes=cap, techniques=self.techniques, lossy=self.lossy,
-                  compute=table, overlap=self.overlap)
       try:
+        rows = rank(nodes, gpus, work, prof, memory_cap_bytes=cap, techniques=self.techniques, lossy=self.lossy,
+                    compute=table, overlap=self.overlap)
         decision = {"rows": rows, "chosen": rows.index(choose(rows, cap))}
-      except PlanError as e:
+      except (PlanError, ValueError) as e:  # e.g. a profile without a group: every process stops alike
         decision = {"error": str(e)}
     decision = agree.from_process0(decision)
     if "error" in decision:
