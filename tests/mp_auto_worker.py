@@ -1,7 +1,8 @@
 """One process of a 2-process x 4-device CPU cluster (gloo) whose plan is `auto()`, with local
 measurements forced to disagree: each process reads its own profile (process 0: 1 MB/s between nodes,
 process 1: 1 TB/s) and process 1's compute measurements are 3x process 0's. Writes what it would have
-chosen alone, the plan it built, the planner's table it got, and the loss of one step of that plan.
+chosen alone, the plan it built, the planner's table it got, the loss of one step of that plan, and
+the error it got when process 0 alone rejects its profile file.
 
 Usage: python tests/mp_auto_worker.py PROCESS_ID PORT OUT_DIR
 """
@@ -43,8 +44,17 @@ def main(pid, port, out):
   state, step = ex.init(jax.random.key(0)), ex.step_fn()
   b = np.random.default_rng(0).integers(0, 256, (1, 8, 17)).astype(np.int32)
   state, m = step(state, jax.make_array_from_callback(b.shape, ex.batch_sharding, lambda idx: b[idx]))
+  # a profile file process 0 rejects (another mesh shape) while process 1's is fine: both stop alike
+  bad = os.path.join(out, f"bad{pid}.json")
+  with open(bad, "w") as f:
+    json.dump(links.link_profile(4, 2, b_gpu=200e9, b_node=1e9, source="4 x 2") if pid == 0 else prof, f)
+  try:
+    planner.auto(profile=bad).load(ex.mesh)
+    error = None
+  except planner.PlanError as e:
+    error = str(e)
   with open(os.path.join(out, f"auto{pid}.json"), "w") as f:
-    json.dump({"alone": alone, "measured": measured, "plan": ex.plan.name, "rows": ex.planner_rows, "loss": float(m.loss)}, f)
+    json.dump({"alone": alone, "measured": measured, "plan": ex.plan.name, "error": error, "rows": ex.planner_rows, "loss": float(m.loss)}, f)
   print(f"process {pid} ran {ex.plan.name}", flush=True)
 
 

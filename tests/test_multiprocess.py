@@ -87,3 +87,5 @@ def test_auto_is_one_decision_for_the_cluster(tmp_path):
   assert len(got[0]["measured"]) == len(got[1]["measured"]) == 1
   slowest = max(got[0]["measured"][0], got[1]["measured"][0])
   assert all(r["compute_s"] == slowest for r in got[0]["rows"])
+  # a profile that process 0 rejects stops both processes with its error (not process 1 profiling alone)
+  assert got[0]["error"] == got[1]["error"] and "measured on 4 nodes x 2 gpus" in got[1]["error"]
