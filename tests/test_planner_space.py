@@ -52,6 +52,7 @@ def test_space_contains_every_named_plan(shape):
   assert not same_plan(named["zeropp"].plan(nodes, gpus), plans.zero3(), mesh)  # the comparison can fail
 
 
+@pytest.mark.slow
 def test_a_technique_point_runs_like_the_named_plan():
   """ZeRO++'s techniques with MiCS's hierarchical gather, a combination no named plan has: the gradient
   the optimizer sees is the named ZeRO++'s (the gather's order changes no value), which is single-device
