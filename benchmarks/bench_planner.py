@@ -1,19 +1,23 @@
-"""Does the AMSP planner rank plans the way the emulated cluster does?
+"""Is `auto` never behind a named plan? The planner's choice on the emulated cluster against ZeRO-3,
+ZeRO++, MiCS (group = node) and the best measured plan, over a grid of clusters, links and accumulation.
 
-For each link rate: profile the collectives on the emulated cluster (`cluster.py --profile`), let the
-planner rank every point of the plan space for the default config (`python -m zerojax.cli.plan
---profile --measure_compute`: every plan's compute measured once in one process, no slow link), then run
-every point (and ZeRO++) on the cluster, `--reps` interleaved rounds, and compare the medians with three
-models of the step (`zerojax.planner.compute`):
+For each shape (`--shapes`) and link rate (`--rates`) the collectives are profiled once on the emulated
+cluster (`cluster.py --profile`); for each accumulation (`--accums`) the planner ranks the whole plan
+space with auto's default model (`python -m zerojax.cli.plan --json`: DP's compute measured once in one
+process, every collective from the profile, every technique, Pareto-pruned; `--lossy` adds int4 weights
+and Radius). Then, in `--reps` interleaved rounds, the cluster runs:
 
-  uniform   DP's compute + every collective from the profile (AMSP's model as written; the default)
-  anchors   compute fitted on DP, ZeRO-1, ZeRO-2, ZeRO-3 + node-spanning collectives
-  measured  each plan's own compute + node-spanning collectives (`--measure_compute`)
+  auto      `train.plan = @auto()` with that profile, end to end (every process plans, one decision)
+  named     ZeRO-3, ZeRO++ and MiCS with group = node, as their configs (`configs/*.gin`) run them
+  points    the candidates of `--space`: `top` (default) the `--top` fastest predicted points; `front`
+            every point the pruned ranking keeps; `all` every point of the space (slow: 129 at 2 x 4)
 
-For each: Spearman's rank correlation of predicted and measured step times, and the measured time of
-the model's choice against the measured best, ZeRO-3, ZeRO++ and MiCS (group = node).
+Per cell: auto's choice and step time, the named plans', the measured best (of what was run), auto over
+best (the goal: within 5%, never above 1.10x) and Spearman's rank correlation of predicted and measured
+step times over the points with a prediction. Step times are medians over the rounds (interleaved, so a
+slow phase of the machine falls on every plan alike); run it on a quiet machine.
 
-  sudo python benchmarks/bench_planner.py --rates 100mbit,1gbit --accum 4 [--reps 3]
+  sudo .venv/bin/python benchmarks/bench_planner.py --shapes 2x4,4x2 --rates 100mbit,1gbit --accums 1,4 --reps 3
 
 Prints JSON, writes `benchmarks/planner.json` and the AMSP section of `benchmarks/RESULTS.md`.
 
@@ -37,6 +41,10 @@ sys.path.insert(0, HERE)
 import bench_mics  # noqa: E402
 import cluster  # noqa: E402
 
+NAMED = {"zero3": ["train.plan=@zero3()"], "zeropp": ["train.plan=@zeropp()"],
+         "mics_node": ["train.plan=@mics()", "mics.sync_in_backward=True"]}
+NAMED_POINT = {"zero3": "zero3", "zeropp": "zeropp", "mics_node": "mics-{gpus}"}  # their points' names
+
 
 def spearman(a: list[float], b: list[float]) -> float:
   def ranks(x):
@@ -47,122 +55,149 @@ def spearman(a: list[float], b: list[float]) -> float:
     return r
   ra, rb = ranks(a), ranks(b)
   n = len(a)
-  return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+  return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 1 else float("nan")
 
 
-def predict(profile_path: str, nodes: int, gpus: int, accum: int, gin_param: list[str]) -> dict:
+def gin_params(row: dict) -> list[str]:
+  """`train.py` bindings that run a ranked row's point (`planner.space.Point.plan` as gin)."""
+  out = ["train.plan=@amsp()", f"amsp.s_p={row['s_p']}", f"amsp.s_g={row['s_g']}", f"amsp.s_os={row['s_os']}",
+         f"amsp.hierarchical={bool(row['hierarchical'])}"]
+  if row["weight_bits"]:
+    out.append(f"amsp.weight_bits={row['weight_bits']}")
+  if row["hpz"]:
+    out.append("amsp.secondary_axes=('gpu',)")
+  if row["grad_bits"]:
+    bits = row["grad_bits"]
+    out.append(f"amsp.grad_bits={tuple(bits) if isinstance(bits, list) else bits}")
+  if row["reduce16"]:
+    out.append("amsp.reduce_dtype='bfloat16'")
+  if row["radius"]:
+    out.append("amsp.replica_sync=@radius()")
+  return out
+
+
+def predict(profile_path: str, nodes: int, gpus: int, accum: int, lossy: bool, compute: str,
+            gin_param: list[str]) -> dict:
+  """auto's ranking (`zerojax.cli.plan --json`, its default model) and every point's prediction."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-  cmd = [sys.executable, "-m", "zerojax.cli.plan", "--json", "--measure_compute", "--gin_file=configs/base.gin",
-         f"--profile={profile_path}", f"--mesh={nodes}x{gpus}", f"--gin_param=train.accum_steps={accum}",
+  cmd = [sys.executable, "-m", "zerojax.cli.plan", "--json", "--gin_file=configs/base.gin", f"--profile={profile_path}",
+         f"--mesh={nodes}x{gpus}", f"--gin_param=train.accum_steps={accum}", f"--compute={compute}",
+         *(["--lossy"] if lossy else []),
          *[f"--gin_param={p}" for p in gin_param]]
   r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
   if r.returncode:
     raise RuntimeError(f"planner failed:\n{r.stderr[-3000:]}")
-  return json.loads(r.stdout)
-
-
-def predictions(pred: dict) -> dict[str, dict[str, float]]:
-  """{model: {plan: predicted s/step}} for the uniform, anchors and measured models, from one planner
-  run with every plan's compute measured (the anchors model refits on the four anchor plans alone)."""
+  pred = json.loads(r.stdout)
   sys.path.insert(0, REPO)
-  from zerojax.planner import compute, cost, space
+  from zerojax import planner
+  from zerojax.planner import cost
   work = cost.Workload(**{**pred["workload"], "units": tuple(tuple(u) for u in pred["workload"]["units"])})
-  measured = pred["compute"]["measured"]
-  world = max(r["s_os"] for r in pred["rows"])
-  anchors = {p: measured[p.name(world)] for p in compute.anchors(world)}
-  coef = compute.fit(anchors, work)
-  pt = lambda r: space.Point(r["s_p"], r["s_g"], r["s_os"], r["zeropp"])
-  return {"uniform": {r["plan"]: r["T_step_uniform"] for r in pred["rows"]},
-          "anchors": {r["plan"]: compute.predict(coef, pt(r), work) + r["T_comm"] for r in pred["rows"]},
-          "measured": {r["plan"]: r["compute_s"] + r["T_comm"] for r in pred["rows"]}}
+  with open(profile_path) as f:
+    prof = json.load(f)
+  every = planner.rank(nodes, gpus, work, prof, techniques=True, lossy=lossy, compute=pred["compute"], prune=False)
+  pred["every"] = {r["plan"]: r for r in every}
+  return pred
 
 
-def judge(predicted: dict[str, float], measured: dict[str, float], best_s: float) -> dict:
-  """Spearman of a model's predictions against the measured medians, and how its choice fared."""
+def candidates(pred: dict, space: str, top: int) -> dict[str, dict]:
+  """The ranked rows to run: name -> row."""
+  rows = list(pred["every"].values()) if space == "all" else pred["rows"]
+  rows = sorted(rows, key=lambda r: r["T_step"])
+  return {r["plan"]: r for r in (rows[:top] if space == "top" else rows)}
+
+
+def cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> dict:
+  pred = predict(prof_path, nodes, gpus, accum, args.lossy, args.compute, args.gin_param)
+  chosen = pred["chosen"]
+  print(f"bench_planner: {nodes}x{gpus} {rate} accum {accum}: auto chooses {chosen}", file=sys.stderr, flush=True)
+  points = candidates(pred, args.space, args.top)
+  points.setdefault(chosen, pred["every"][chosen])
+  runs = {name: gin_params(r) for name, r in points.items()}
+  runs.update(NAMED)
+  runs["auto"] = ["train.plan=@auto()", f"auto.profile='{prof_path}'", f"auto.lossy={args.lossy}",
+                  f"auto.compute='{args.compute}'"]
+  measured = {}
+  for rep in range(args.reps):
+    for name, params in runs.items():
+      r = bench_mics.run_one(nodes, gpus, rate, accum, params, args)
+      measured.setdefault(name, []).append(r["median_step_time_s"])
+      print(f"bench_planner: {nodes}x{gpus} {rate} accum {accum} rep {rep} {name}: {r['median_step_time_s']:.3f} s/step",
+            file=sys.stderr, flush=True)
+  t = {k: statistics.median(v) for k, v in measured.items()}
+  named_pt = {k: v.format(gpus=gpus) for k, v in NAMED_POINT.items()}
+  predicted = {k: pred["every"][k]["T_step"] for k in points}
+  predicted.update({k: pred["every"][named_pt[k]]["T_step"] for k in NAMED})
+  best = min(t, key=t.get)
   names = sorted(predicted)
-  chosen = min(names, key=lambda n: (predicted[n], n))
-  return {"spearman": spearman([predicted[n] for n in names], [measured[n] for n in names]), "chosen": chosen,
-          "chosen_measured_s": measured[chosen], "chosen_over_best": measured[chosen] / best_s}
+  return {
+      "shape": f"{nodes}x{gpus}", "rate": rate, "accum": accum, "auto_choice": chosen,
+      "auto_predicted_s": pred["every"][chosen]["T_step"], "auto_s": t["auto"], "auto_choice_s": t[chosen],
+      "zero3_s": t["zero3"], "zeropp_s": t["zeropp"], "mics_node_s": t["mics_node"], "best": best,
+      "best_s": t[best], "auto_over_best": t["auto"] / t[best], "auto_choice_over_best": t[chosen] / t[best],
+      "spearman": spearman([predicted[n] for n in names], [t[n] for n in names]), "plans_run": len(runs),
+      "space_size": len(pred["every"]), "front_size": len(pred["rows"]),
+      "rows": [{"plan": n, "predicted_s": predicted.get(n), "measured_s": t[n],
+                "measured_min_max": [min(measured[n]), max(measured[n])]} for n in sorted(t, key=t.get)],
+      "compute": pred["compute"]}
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--nodes", type=int, default=2)
-  ap.add_argument("--devices", type=int, default=4)
+  ap.add_argument("--shapes", default="2x4,4x2", help="NODESxDEVICES, comma-separated")
   ap.add_argument("--rates", default="100mbit,1gbit")
-  ap.add_argument("--accum", type=int, default=4)
+  ap.add_argument("--accums", default="1,4")
   ap.add_argument("--reps", type=int, default=3, help="interleaved rounds over all plans (median of them)")
   ap.add_argument("--steps", type=int, default=7)
+  ap.add_argument("--space", default="top", choices=("top", "front", "all"), help="which points to run")
+  ap.add_argument("--top", type=int, default=8, help="with --space top: how many of the fastest predicted")
+  ap.add_argument("--lossy", action="store_true", help="let auto take int4 weights and Radius")
+  ap.add_argument("--compute", default="uniform", choices=("uniform", "anchors", "measured"),
+                  help="auto's compute model (`zerojax.planner.compute`; default uniform, auto's default)")
   ap.add_argument("--gin_param", action="append", default=[])
   ap.add_argument("--json", default=os.path.join(HERE, "planner.json"))
   ap.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
   args = ap.parse_args(argv)
+  try:
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s]
+    accums = [int(a) for a in args.accums.split(",") if a]
+  except ValueError:
+    ap.error(f"--shapes {args.shapes!r} / --accums {args.accums!r}: use e.g. --shapes 2x4,4x2 --accums 1,4")
   if os.geteuid() != 0:
     print("bench_planner: the cluster emulator needs root", file=sys.stderr)
     return 1
   report = {"argv": sys.argv[1:] if argv is None else list(argv), "date": datetime.date.today().isoformat(),
-            "cpus": os.cpu_count(), "nodes": args.nodes, "devices": args.devices, "accum": args.accum,
-            "reps": args.reps, "rates": {}}
-  for rate in [r for r in args.rates.split(",") if r]:
-    prof_path = os.path.join(tempfile.mkdtemp(prefix="zjx-prof-"), "profile.json")
-    cluster.run_profile(cluster.parser().parse_args(
-        [f"--profile={prof_path}", f"--nodes={args.nodes}", f"--devices={args.devices}", f"--rate={rate}"]))
-    pred = predict(prof_path, args.nodes, args.devices, args.accum, args.gin_param)
-    print(f"bench_planner: {rate}: planner chose {pred['chosen']}", file=sys.stderr, flush=True)
-    plans = {r["plan"]: ["train.plan=@amsp()", f"amsp.s_p={r['s_p']}", f"amsp.s_g={r['s_g']}",
-                         f"amsp.s_os={r['s_os']}"] for r in pred["rows"]}
-    plans["zeropp"] = ["train.plan=@zeropp()"]
-    measured = {}
-    for rep in range(args.reps):
-      for name, params in plans.items():
-        r = bench_mics.run_one(args.nodes, args.devices, rate, args.accum, params, args)
-        measured.setdefault(name, []).append(r["median_step_time_s"])
-        print(f"bench_planner: {rate} rep {rep} {name}: {r['median_step_time_s']:.3f} s/step", file=sys.stderr,
-              flush=True)
-    t = {k: statistics.median(v) for k, v in measured.items()}
-    models = predictions(pred)
-    rows = [{"plan": r["plan"], **{f"predicted_{m}_s": models[m][r["plan"]] for m in models},
-             "predicted_comm_s": r["T_comm"], "compute_measured_s": r["compute_s"],
-             "measured_s": t[r["plan"]], "measured_min_max": [min(measured[r["plan"]]), max(measured[r["plan"]])]}
-            for r in pred["rows"]]
-    best = min(rows, key=lambda r: r["measured_s"])
-    report["rates"][rate] = {
-        "profile": json.load(open(prof_path)), "compute": pred["compute"], "rows": rows,
-        "best": best["plan"], "best_measured_s": best["measured_s"], "zero3_s": t.get("zero3"),
-        "zeropp_s": t.get("zeropp"), "mics_node_s": t.get(f"mics-{args.devices}"), "world": args.nodes * args.devices,
-        "models": {m: judge(models[m], t, best["measured_s"]) for m in models}}
-  with open(args.json, "w") as f:
-    json.dump(report, f, indent=2)
+            "cpus": os.cpu_count(), "reps": args.reps, "space": args.space, "top": args.top, "lossy": args.lossy,
+            "compute": args.compute,
+            "cells": [], "profiles": {}}
+  for nodes, gpus in shapes:
+    for rate in [r for r in args.rates.split(",") if r]:
+      prof_path = os.path.join(tempfile.mkdtemp(prefix="zjx-prof-"), "profile.json")
+      report["profiles"][f"{nodes}x{gpus} {rate}"] = cluster.run_profile(cluster.parser().parse_args(
+          [f"--profile={prof_path}", f"--nodes={nodes}", f"--devices={gpus}", f"--rate={rate}"]))
+      for accum in accums:
+        report["cells"].append(cell(nodes, gpus, rate, accum, prof_path, args))
+        with open(args.json, "w") as f:  # after every cell: a long grid keeps what it measured
+          json.dump(report, f, indent=2)
   bench_mics.write_section(args.results, markdown(report), "## AMSP planner on the emulated cluster")
-  print(json.dumps({rate: {k: v for k, v in r.items() if k not in ("profile", "rows", "compute")}
-                    for rate, r in report["rates"].items()}, indent=2))
+  print(json.dumps([{k: v for k, v in c.items() if k not in ("rows", "compute")} for c in report["cells"]], indent=2))
   return 0
 
 
 def markdown(report: dict) -> str:
   lines = ["## AMSP planner on the emulated cluster", "",
-           (f"{report['date']}, {report['cpus']} CPU cores, {report['nodes']} nodes x {report['devices']} devices, "
-           f"default GPT, accumulation {report['accum']}, `benchmarks/bench_planner.py {' '.join(report['argv'])}`. "
-           f"Measured: median step time of {report['reps']} interleaved run(s) per plan. Predicted, three models "
-           "(`zerojax.planner.compute`): *uniform* (the default) = DP's compute + every collective from a profile "
-           "measured on the same emulated cluster (AMSP's model as written); *anchors* = compute fitted on DP, ZeRO-1, "
-           "ZeRO-2 and ZeRO-3 measured in one process + the node-spanning collectives; *measured* "
-           "(`--measure_compute`) = each plan's compute measured in one process + the node-spanning collectives."), ""]
-  for rate, r in report["rates"].items():
-    lines += [(f"**{rate}**: measured best `{r['best']}` ({r['best_measured_s']:.3f} s/step); ZeRO-3 {r['zero3_s']:.3f} s, "
-              f"ZeRO++ {r['zeropp_s']:.3f} s, MiCS (node) {r['mics_node_s']:.3f} s."), "",
-              "| model | Spearman | chosen | chosen measured s/step | chosen / best |", "|---|---|---|---|---|"]
-    for m, j in r["models"].items():
-      lines.append(f"| {m} | {j['spearman']:.2f} | `{j['chosen']}` | {j['chosen_measured_s']:.3f} | "
-                   f"{j['chosen_over_best']:.2f} |")
-    lines += ["", "| plan | uniform s | anchors s | measured-compute s | node-spanning comm s | measured s/step [min–max] |",
-              "|---|---|---|---|---|---|"]
-    for row in sorted(r["rows"], key=lambda x: x["measured_s"]):
-      lines.append(f"| {row['plan']} | {row['predicted_uniform_s']:.3f} | {row['predicted_anchors_s']:.3f} | "
-                   f"{row['predicted_measured_s']:.3f} | {row['predicted_comm_s']:.3f} | {row['measured_s']:.3f} "
-                   f"[{row['measured_min_max'][0]:.3f}–{row['measured_min_max'][1]:.3f}] |")
-    lines.append("")
-  return "\n".join(lines)
+           (f"{report['date']}, {report['cpus']} CPU cores, default GPT, `benchmarks/bench_planner.py "
+            f"{' '.join(report['argv'])}`. Median step time of {report['reps']} interleaved run(s) per plan. *auto*: "
+            "`train.plan = @auto()` run end to end; *auto's choice*: the plan it chose, run as a point; *best*: "
+            f"the fastest of what was run (space `{report['space']}`"
+            + (f", the {report['top']} fastest predicted points" if report["space"] == "top" else "")
+            + ", the named plans and auto). Spearman: predicted vs measured over the points and named plans."), "",
+           "| cluster | rate | accum | auto's choice | auto s | ZeRO-3 s | ZeRO++ s | MiCS (node) s | best | best s "
+           "| auto / best | Spearman |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for c in report["cells"]:
+    lines.append(f"| {c['shape']} | {c['rate']} | {c['accum']} | `{c['auto_choice']}` | {c['auto_s']:.3f} | "
+                 f"{c['zero3_s']:.3f} | {c['zeropp_s']:.3f} | {c['mics_node_s']:.3f} | `{c['best']}` | {c['best_s']:.3f} | "
+                 f"{c['auto_over_best']:.2f} | {c['spearman']:.2f} |")
+  return "\n".join(lines + [""])
 
 
 if __name__ == "__main__":

@@ -56,3 +56,36 @@ def test_two_processes_match_reference(tmp_path):
   got = np.load(tmp_path / "zeropp.npz")
   for k in single:
     np.testing.assert_allclose(got[k], single[k], rtol=1e-5, atol=1e-6 * np.abs(single[k]).max(), err_msg=k)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_auto_is_one_decision_for_the_cluster(tmp_path):
+  """`auto` on 2 processes whose own measurements disagree (their profiles, their compute): alone they
+  would choose different plans; together both build and step process 0's choice from the same table
+  (`planner.agree`), where deciding apart would compile different programs and hang."""
+  import json
+  port = free_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  worker = os.path.join(os.path.dirname(__file__), "mp_auto_worker.py")
+  procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(tmp_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  got = [json.loads((tmp_path / f"auto{i}.json").read_text()) for i in range(2)]
+  assert got[0]["alone"] != got[1]["alone"]                  # the local measurements disagree
+  assert got[0]["plan"] == got[1]["plan"] == got[0]["alone"]  # one plan: process 0's decision
+  assert got[0]["rows"] == got[1]["rows"]                    # one table
+  assert got[0]["loss"] == got[1]["loss"] and np.isfinite(got[0]["loss"])
+  # the compute in the table is the slowest process's (process 1 measured 3x): DP's step, the only one
+  # measured with auto.compute = 'uniform'
+  assert len(got[0]["measured"]) == len(got[1]["measured"]) == 1
+  slowest = max(got[0]["measured"][0], got[1]["measured"][0])
+  assert all(r["compute_s"] == slowest for r in got[0]["rows"])
+  # a profile that process 0 rejects stops both processes with its error (not process 1 profiling alone)
+  assert got[0]["error"] == got[1]["error"] and "measured on 4 nodes x 2 gpus" in got[1]["error"]

@@ -23,8 +23,9 @@ def test_space_holds_the_known_plans_and_only_nested_points():
     assert p.s_g % p.s_p == 0 and p.s_os % p.s_g == 0 and p.s_g in (p.s_p, p.s_os)
   assert planner.degrees(4, 2) == [1, 2, 4, 8]
   assert planner.degrees(3, 4) == [1, 2, 4, 12]
-  zpp = planner.plan_space(2, 4, zeropp=True)
-  assert len(zpp) == 16 + sum(p.s_p > 1 for p in pts)
+  full = planner.plan_space(2, 4, techniques=True)
+  assert full[0] == pts[0] and {p.base for p in full} == set(pts) and len(set(full)) == len(full)
+  assert len({p.name(8) for p in full}) == len(full)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,8 @@ def synthetic_profile(nodes, gpus, *, intra=1e-9, inter=1e-7, alpha=1e-4):
   """α-β fits where a group that spans nodes is `inter / intra` times slower per byte."""
   world = nodes * gpus
   groups = {}
-  for pt in planner.plan_space(nodes, gpus, zeropp=True):
-    for _, k, s in cost.groups_needed(pt, world):
+  for pt in planner.plan_space(nodes, gpus, techniques=True, lossy=True):
+    for _, k, s in cost.groups_needed(pt, world, gpus):
       beta = inter if k * s > gpus else intra
       groups[cost.group_key(k, s)] = {op: {"alpha": alpha, "beta": beta} for op in cost.OPS}
   return {"mesh": {"nodes": nodes, "gpus": gpus}, "groups": groups}
@@ -122,8 +123,8 @@ def test_profiler_measures_every_group_on_this_mesh():
   from zerojax.planner import profile as profile_lib
   mesh = zerojax.make_mesh(2, 4)
   prof = profile_lib.profile(mesh, [4096, 65536], reps=1)
-  needed = {cost.group_key(k, s) for pt in planner.plan_space(2, 4, zeropp=True)
-            for _, k, s in cost.groups_needed(pt, 8)}
+  needed = {cost.group_key(k, s) for pt in planner.plan_space(2, 4, techniques=True, lossy=True)
+            for _, k, s in cost.groups_needed(pt, 8, 4)}
   assert set(prof["groups"]) == needed
   for g in prof["groups"].values():
     for op in cost.OPS:
@@ -144,7 +145,8 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile_and_a_plan_under_the_
   gin.clear_config()
   gin.parse_config(["model_config.d_model = 32", "model_config.num_layers = 2", "model_config.seq_len = 16"])
   try:
-    ex = trainer.build(planner.auto(profile=str(path), compute="uniform"), 2, accum_steps=2, batch_size=8)
+    ex = trainer.build(planner.auto(profile=str(path), compute="uniform", techniques=False), 2, accum_steps=2,
+                       batch_size=8)
     rows = ex.planner_rows
     assert ex.plan.name == rows[0]["plan"] and rows == sorted(rows, key=lambda r: r["T_step"])
     assert rows[0]["s_g"] <= 4 and rows[0]["s_p"] <= 4
@@ -154,8 +156,8 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile_and_a_plan_under_the_
     mics = next(r for r in rows if r["plan"] == "mics-4")
     cap_gb = mics["bytes_per_device"] * (1 - 1e-6) / 2**30
     capsys.readouterr()
-    capped = trainer.build(planner.auto(profile=str(path), memory_cap_gb=cap_gb, compute="uniform"), 2,
-                           accum_steps=2, batch_size=8)
+    capped = trainer.build(planner.auto(profile=str(path), memory_cap_gb=cap_gb, compute="uniform",
+                                        techniques=False), 2, accum_steps=2, batch_size=8)
   finally:
     gin.clear_config()
   log = capsys.readouterr().out
@@ -176,7 +178,7 @@ def test_plan_command_ranks_a_gin_config(tmp_path, capsys):
   try:
     plan_cli.main(["--gin_file=configs/zero3.gin", "--compute=anchors", "--gin_param=model_config.d_model=32",
                    "--gin_param=model_config.num_layers=2", "--gin_param=model_config.seq_len=16",
-                   "--gin_param=train.batch_size=8", f"--profile={path}", "--json"])
+                   "--gin_param=train.batch_size=8", f"--profile={path}", "--json", "--degrees_only"])
   finally:
     gin.clear_config()
   out = json.loads(capsys.readouterr().out)

@@ -1,6 +1,7 @@
 """Picks a plan for a model and a cluster: `python -m zerojax.cli.plan --gin_file=... --profile=P.json`.
 
-Builds the gin config's model as `train.py` would and ranks every point of AMSP's plan space by
+Builds the gin config's model as `train.py` would and ranks every point of AMSP's plan space (the shard
+degrees and, unless `--degrees_only`, every technique on them; `--lossy` adds int4 weights and Radius) by
 predicted step time: each plan's compute (`--compute`, `zerojax.planner.compute`: "uniform", the
 default, charges every plan DP's step measured in this process; "anchors" measures DP, ZeRO-1, ZeRO-2
 and ZeRO-3 and fits the rest; "measured" or `--measure_compute` measures every plan) plus the profile's
@@ -25,7 +26,9 @@ def main(argv=None) -> int:
   ap.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
   ap.add_argument("--profile", default=None, help="JSON from `python -m zerojax.planner.profile`")
   ap.add_argument("--memory_cap_gb", type=float, default=None, help="per-device memory cap in GiB")
-  ap.add_argument("--zeropp", action="store_true", help="also rank ZeRO++ variants (qwZ/hpZ/qgZ)")
+  ap.add_argument("--degrees_only", action="store_true", help="rank the shard degrees only (AMSP as written), "
+                  "not the techniques on them (qwZ, hpZ, qgZ, hierarchical gathers, 16-bit reduction)")
+  ap.add_argument("--lossy", action="store_true", help="also rank int4 weights and Radius's sparse replica sync")
   ap.add_argument("--compute", default="uniform", choices=("uniform", "anchors", "measured"),
                   help="how each plan's compute is known (default: DP's step, the same for every plan; it "
                   "ranked best on the emulated cluster, benchmarks/RESULTS.md)")
@@ -63,12 +66,11 @@ def main(argv=None) -> int:
     prof = profile_lib.profile(ex.mesh, [65536, 524288, 2097152])
   mode = "measured" if args.measure_compute else args.compute
   log = lambda m: print(m, file=sys.stderr, flush=True)
-  table = compute_lib.per_plan(make, planner.plan_space(nodes, gpus, zeropp=args.zeropp), nodes, gpus, work,
-                               batch, mode=mode, zeropp=args.zeropp, log=log)
+  table = compute_lib.per_plan(make, planner.plan_space(nodes, gpus), nodes, gpus, work, batch, mode=mode, log=log)
   work = dataclasses.replace(work, compute_s=table["dp_s"])
   cap = args.memory_cap_gb * 2**30 if args.memory_cap_gb else None
-  rows = planner.rank(nodes, gpus, work, prof, memory_cap_bytes=cap, zeropp=args.zeropp, compute=table,
-                      overlap=args.overlap)
+  rows = planner.rank(nodes, gpus, work, prof, memory_cap_bytes=cap, techniques=not args.degrees_only,
+                      lossy=args.lossy, compute=table, overlap=args.overlap)
   try:
     best = planner.choose(rows, cap)
   except planner.PlanError as e:

@@ -7,12 +7,15 @@ accumulated in place; the optimizer updates Φ/s_os elements; qwZ/qgZ add quanti
 The planner gets each plan's compute C(plan) in one of three ways (`mode`):
 
   uniform   (default) C = the DP step measured once, the same for every plan (AMSP as written).
-  anchors   the step of a few anchor plans (DP, ZeRO-1, ZeRO-2, ZeRO-3, and ZeRO-3 + ZeRO++
-            when those are ranked) is measured in this process, and C(plan) = c · f(plan) is fitted on
-            them, with features f = (1, optimizer elements Φ/s_os, gradient bytes reduced per step when
-            s_g > 1, parameter bytes gathered per step when s_p > 1 (gather + recompute), bytes
-            quantized per step with ZeRO++). With one anchor per feature the fit is exact on the anchors.
-  measured  the step of every plan is measured in this process (`--measure_compute`).
+  anchors   the step of a few anchor plans (DP, ZeRO-1, ZeRO-2, ZeRO-3) is measured in this process,
+            and C(plan) = c · f(plan) is fitted on them, with features f = (1, optimizer elements Φ/s_os,
+            gradient bytes reduced per step when s_g > 1, parameter bytes gathered per step when s_p > 1
+            (gather + recompute)). With one anchor per feature the fit is exact on the anchors.
+  measured  the step of every degree point is measured in this process (`--measure_compute`).
+
+In every mode C is that of the point's shard degrees; what a technique adds to it (qwZ/qgZ's quantize
+and dequantize kernels) is `cost.quant_time`, from `quant_rate`: the seconds per element of one block
+quantize + dequantize measured in this process.
 
 A step measured in this process runs every collective through memory, so it already holds the cost of
 the collectives inside a node; the planner then adds from the profile only the collectives whose groups
@@ -44,34 +47,50 @@ from zerojax.planner.space import Point
 MODES = ("uniform", "anchors", "measured")
 
 
-def anchors(world: int, zeropp: bool = False) -> list[Point]:
-  """DP, ZeRO-1, ZeRO-2, ZeRO-3 (one plan per feature), and ZeRO-3 + ZeRO++ when ZeRO++ is ranked."""
-  out = [Point(1, 1, 1), Point(1, 1, world), Point(1, world, world), Point(world, world, world)]
-  return out + ([Point(world, world, world, zeropp=True)] if zeropp else [])
+def anchors(world: int) -> list[Point]:
+  """DP, ZeRO-1, ZeRO-2, ZeRO-3: one plan per feature."""
+  return [Point(1, 1, 1), Point(1, 1, world), Point(1, world, world), Point(world, world, world)]
 
 
-def features(pt: Point, work: Workload, zeropp: bool = False) -> np.ndarray:
-  """(1, Φ/s_os, gradient bytes reduced per step, parameter bytes gathered per step, bytes quantized)."""
+def features(pt: Point, work: Workload) -> np.ndarray:
+  """(1, Φ/s_os, gradient bytes reduced per step, parameter bytes gathered per step)."""
   per_step = work.accum * work.numel
-  f = [1.0, work.numel / pt.s_os, float(work.grad_bytes * per_step) if pt.s_g > 1 else 0.0,
-       float(2 * work.param_bytes * per_step) if pt.s_p > 1 else 0.0]
-  if zeropp:
-    f.append(float(3 * per_step) if pt.zeropp else 0.0)  # qwZ forward gather + qgZ, about 3 bytes/element
-  return np.array(f)
+  return np.array([1.0, work.numel / pt.s_os, float(work.grad_bytes * per_step) if pt.s_g > 1 else 0.0,
+                   float(2 * work.param_bytes * per_step) if pt.s_p > 1 else 0.0])
 
 
-def fit(measured: dict[Point, float], work: Workload, zeropp: bool = False) -> np.ndarray:
+def fit(measured: dict[Point, float], work: Workload) -> np.ndarray:
   """Least-squares coefficients of `features` on the measured anchors (negative ones set to 0)."""
   pts = list(measured)
-  x = np.stack([features(p, work, zeropp) for p in pts])
+  x = np.stack([features(p, work) for p in pts])
   y = np.array([measured[p] for p in pts])
   scale = np.maximum(np.abs(x).max(axis=0), 1.0)
   coef = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
   return np.maximum(coef, 0.0)
 
 
-def predict(coef: np.ndarray, pt: Point, work: Workload, zeropp: bool = False) -> float:
-  return float(features(pt, work, zeropp) @ coef)
+def predict(coef: np.ndarray, pt: Point, work: Workload) -> float:
+  return float(features(pt, work) @ coef)
+
+
+def quant_rate(elements: int = 1 << 20, bits: int = 8, reps: int = 3) -> float:
+  """Seconds per element of one block quantize + dequantize (qwZ/qgZ's kernels, ZeRO++ §4.2) on this
+  process's first device: the median of `reps` runs after a warm-up."""
+  from zerojax import quantization
+  from zerojax.planner.space import BLOCK
+
+  @jax.jit
+  def roundtrip(x):
+    v, s = quantization.quantize(x, bits, BLOCK)
+    return quantization.dequantize(v, s, bits, BLOCK)
+  x = jax.device_put(np.linspace(-1, 1, elements, dtype=np.float32), jax.local_devices()[0])
+  roundtrip(x).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    roundtrip(x).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) / elements
 
 
 def measure(executor, batch, reps: int = 3) -> tuple[float, int]:
@@ -94,14 +113,14 @@ def measure(executor, batch, reps: int = 3) -> tuple[float, int]:
 
 
 def per_plan(make_executor, points: list[Point], nodes: int, gpus: int, work: Workload, batch, *,
-             mode: str = "uniform", zeropp: bool = False, reps: int = 3, log=None) -> dict:
+             mode: str = "uniform", reps: int = 3, log=None) -> dict:
   """{"mode", "compute_s": {plan name: s}, "temp_bytes": {plan name: bytes}, "measured": {name: s},
-  "dp_s"}: each point's compute in `mode`. `make_executor(Plan)` builds an executor on this process's
-  devices; `points` are the plans to rank."""
+  "dp_s", "quant_s_per_element"}: each point's compute in `mode`. `make_executor(Plan)` builds an
+  executor on the mesh; `points` are the degree points to rank (techniques add `cost.quant_time`)."""
   if mode not in MODES:
     raise ValueError(f"compute mode {mode!r} is not one of {MODES}; use 'uniform' (default), 'anchors' or 'measured'")
   world = nodes * gpus
-  todo = points if mode == "measured" else anchors(world, zeropp) if mode == "anchors" else [Point(1, 1, 1)]
+  todo = points if mode == "measured" else anchors(world) if mode == "anchors" else [Point(1, 1, 1)]
   seconds, temp = {}, {}
   for i, pt in enumerate(todo):
     s, t = measure(make_executor(pt.plan(nodes, gpus)), batch, reps)
@@ -112,10 +131,11 @@ def per_plan(make_executor, points: list[Point], nodes: int, gpus: int, work: Wo
   if mode == "measured":
     compute = {pt.name(world): seconds[pt] for pt in points}
   elif mode == "anchors":
-    coef = fit(seconds, work, zeropp)
-    compute = {pt.name(world): predict(coef, pt, work, zeropp) for pt in points}
+    coef = fit(seconds, work)
+    compute = {pt.name(world): predict(coef, pt, work) for pt in points}
   else:
     compute = {pt.name(world): dp_s for pt in points}
   worst = max(temp.values())  # plans not measured: the largest measured activation/temporary bytes
   return {"mode": mode, "compute_s": compute, "dp_s": dp_s, "measured": {p.name(world): s for p, s in seconds.items()},
-          "temp_bytes": {pt.name(world): temp.get(pt.name(world), worst) for pt in points}}
+          "temp_bytes": {pt.name(world): temp.get(pt.name(world), worst) for pt in points},
+          "quant_s_per_element": quant_rate()}

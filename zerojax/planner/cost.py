@@ -17,20 +17,33 @@ collectives of the emulated cluster block; `overlap="full"` T = max(C, T_comm), 
 overlap (AMSP §V-C, Table V). With `spanning_only` the collectives inside a node are left out: they are
 in a compute measured on this process's devices.
 
+The techniques of a point (`space.Point`) change these terms as the executor runs them (`comm_time`):
+qwZ's gathers move b/8 + 4/256 bytes per parameter, hpZ's backward gathers inside the node, a
+hierarchical gather is one across nodes (stride G) and one inside, qgZ and the 16-bit reduction are a
+two-hop all-to-all, r = 2 with the 16-bit reduction, and Radius sends a fraction of the replica
+all-reduce. What they add to compute, qwZ's and qgZ's quantize/dequantize kernels, is `quant_time`: the
+elements they touch per step times the seconds per element measured in this process
+(`Workload.quant_s_per_element`, `planner.compute.quant_rate`).
+
 Memory per device (AMSP §IV-D with this executor's mixed precision): b Φ/s_p + rΦ/s_g + (4 + o)Φ/s_os
-(o: optimizer-state bytes per parameter, 8 for Adam), plus hpZ's secondary shard, plus the activations
-and temporaries of the compiled step.
+(o: optimizer-state bytes per parameter, 8 for Adam), plus hpZ's secondary shard, Radius's residual,
+and the activations and temporaries of the compiled step.
 
 References:
   AMSP: Chen et al. 2023, §IV-C (T_p, T_g, T_os^0, T_os^1), §IV-D (memory), §V-B (solver).
+  ZeRO++: Wang et al. 2023, §3.1–3.3, §4.2. MiCS: Zhang et al. 2022, §3.3. Radius: Zheng & Zhang, §4.1.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from zerojax.planner.space import Point
+from zerojax.plan import Radius
+from zerojax.planner.space import BLOCK, Point
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# Radius's replica all-reduce over a window of `period` steps, as a fraction of the dense one: one dense
+# select step, then `density` of the values on the others (the planner uses Radius's defaults).
+RADIUS_PERIOD_FRACTION = (1 + (Radius.period - 1) * Radius.density) / Radius.period
 
 
 def group_key(k: int, stride: int) -> str:
@@ -41,7 +54,8 @@ def group_key(k: int, stride: int) -> str:
 class Workload:
   """What the cost model needs of a model and a run: unit sizes (elements per call, calls per micro-step),
   micro-batches per step, bytes of a parameter on the wire and of a reduced gradient, optimizer bytes
-  per parameter, compute seconds per step of DP and activation/temporary bytes per device.
+  per parameter, compute seconds per step of DP, activation/temporary bytes per device, and seconds per
+  element of a quantize + dequantize (qwZ/qgZ's kernels, `planner.compute.quant_rate`).
 
   Nothing here needs the model built: `Workload.transformer` describes one from its shape alone."""
   units: tuple[tuple[int, int], ...]
@@ -51,6 +65,7 @@ class Workload:
   compute_s: float = 0.0
   activation_bytes: int = 0
   grad_bytes: int = 4
+  quant_s_per_element: float = 0.0
 
   @classmethod
   def transformer(cls, *, layers: int, d_model: int, d_ff: int, vocab: int, accum: int, **kw) -> Workload:
@@ -64,26 +79,46 @@ class Workload:
     return sum(n * calls for n, calls in self.units)
 
 
-def groups_needed(point: Point, world: int) -> list[tuple[str, int, int]]:
-  """(op, k, stride) of every collective a point runs (k > 1)."""
+def groups_needed(point: Point, world: int, gpus: int | None = None) -> list[tuple[str, int, int]]:
+  """(op, k, stride) of every collective a point runs (k > 1); `gpus` (devices per node) is needed for
+  the two-hop collectives of a group that spans nodes (hierarchical gather, hpZ, qgZ, 16-bit reduction)."""
   p, g, os_ = point.s_p, point.s_g, point.s_os
+  gpus = gpus or world
   out = []
   if p > 1:
-    out.append(("all_gather", p, 1))
+    out += [("all_gather", p // gpus, gpus), ("all_gather", gpus, 1)] if point.hierarchical and p > gpus else \
+        [("all_gather", p, 1)]
+    if point.hpz and p > gpus:
+      out.append(("all_gather", gpus, 1))
   if g > 1:
-    out.append(("all_to_all" if point.zeropp else "reduce_scatter", g, 1))
+    if point.grad_bits or point.reduce16:
+      out += [("all_to_all", gpus, 1), ("all_to_all", g // gpus, gpus)] if g > gpus else [("all_to_all", g, 1)]
+    else:
+      out.append(("reduce_scatter", g, 1))
   if os_ > g:
     out.append(("reduce_scatter", os_ // g, g))
   if os_ < world:
     out.append(("all_reduce", world // os_, os_))
   if os_ > p:
     out.append(("all_gather", os_ // p, p))
-  return out
+  return [(op, k, s) for op, k, s in out if k > 1]
+
+
+def quantized_bytes(bits: int) -> float:
+  """Wire bytes per element of a block-quantized buffer: the codes and one fp32 scale per block."""
+  return bits / 8 + 4 / BLOCK
 
 
 def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spanning_only: bool = False) -> dict:
   """T_p, T_g, T_os^0, T_os^1 and their sum T_comm (seconds per step) from the profile's α-β fits; with
-  `spanning_only`, of the collectives whose groups span nodes only."""
+  `spanning_only`, of the collectives whose groups span nodes only.
+
+  The techniques change the terms as the executor runs them: qwZ gathers `quantized_bytes(bits)` per
+  parameter (again in backward unless hpZ); hpZ's backward gathers the parameter dtype inside the node; a
+  hierarchical gather is a gather of v/G across nodes (stride G) and one of v inside the node (MiCS
+  §3.3); qgZ and the 16-bit reduction are the two-hop all-to-all (inside the node, then v/G across
+  nodes; ZeRO++ §3.3) of quantized or 16-bit words; the 16-bit reduction also halves T_os^0; Radius
+  sends a `density` fraction of the replica all-reduce on all but one step in `period` (Radius §4.1)."""
   world = profile["mesh"]["nodes"] * profile["mesh"]["gpus"]
   p, g, os_ = point.s_p, point.s_g, point.s_os
 
@@ -97,22 +132,57 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
                        "this cluster again with `python -m zerojax.planner.profile`")
     return fit["alpha"] + fit["beta"] * v
 
-  wire = work.param_bytes if not point.zeropp else 1 + 4 / 256  # qwZ: int8 + one fp32 scale per block
+  def gather(v):
+    if point.hierarchical and p > gpus:
+      return t("all_gather", v / gpus, p // gpus, gpus) + t("all_gather", v, gpus, 1)
+    return t("all_gather", v, p, 1)
+
+  def two_hop(n, b0, b1):  # bytes per element of each hop
+    if g > gpus:
+      return t("all_to_all", b0 * n, gpus, 1) + t("all_to_all", b1 * n / gpus, g // gpus, gpus)
+    return t("all_to_all", b0 * n, g, 1)
+
+  r = 2 if point.reduce16 else work.grad_bytes
+  wire = quantized_bytes(point.weight_bits) if point.weight_bits else work.param_bytes
   t_p = t_g = 0.0
   for n, calls in work.units:
-    fwd = t("all_gather", wire * n, p, 1)
-    hpz = point.zeropp and p > gpus  # the secondary shard lives in the node: the backward gathers there
-    bwd = t("all_gather", work.param_bytes * n, gpus, 1) if hpz else fwd
+    fwd = gather(wire * n)
+    bwd = t("all_gather", work.param_bytes * n, gpus, 1) if point.hpz and p > gpus else fwd
     t_p += work.accum * calls * (fwd + bwd)
-    if point.zeropp:
-      t_g += work.accum * calls * t("all_to_all", (0.5 + 4 / 256) * n, g, 1)
+    if point.grad_bits:
+      b0, b1 = point.hop_bits
+      t_g += work.accum * calls * two_hop(n, quantized_bytes(b0), quantized_bytes(b1))
+    elif point.reduce16:
+      t_g += work.accum * calls * two_hop(n, 2, 2)
     else:
-      t_g += work.accum * calls * t("reduce_scatter", work.grad_bytes * n, g, 1)  # one collective over s_g
-  phi, r = work.numel, work.grad_bytes
-  t_os0 = t("reduce_scatter", r * phi / g, os_ // g, g) + t("all_reduce", r * phi / os_, world // os_, os_)
+      t_g += work.accum * calls * t("reduce_scatter", r * n, g, 1)  # one collective over s_g
+  phi = work.numel
+  sync = t("all_reduce", r * phi / os_, world // os_, os_)
+  if point.radius:
+    sync *= RADIUS_PERIOD_FRACTION
+  t_os0 = t("reduce_scatter", r * phi / g, os_ // g, g) + sync
   t_os1 = t("all_gather", work.param_bytes * phi / p, os_ // p, p)
   total = t_p + t_g + t_os0 + t_os1
   return {"T_p": t_p, "T_g": t_g, "T_os0": t_os0, "T_os1": t_os1, "T_comm": total}
+
+
+def quant_elements(point: Point, work: Workload, gpus: int) -> float:
+  """Elements quantized or dequantized per step and device: qwZ dequantizes each gathered unit (twice
+  without hpZ); qgZ quantizes the local gradient and dequantizes what it receives, per hop."""
+  out = 0.0
+  for n, calls in work.units:
+    per = 0.0
+    if point.weight_bits and point.s_p > 1:
+      per += n * (1 if point.hpz and point.s_p > gpus else 2)
+    if point.grad_bits and point.s_g > 1:
+      per += 2 * n + (2 * n / gpus if point.s_g > gpus else 0)
+    out += work.accum * calls * per
+  return out
+
+
+def quant_time(point: Point, work: Workload, gpus: int) -> float:
+  """Seconds per step of qwZ's and qgZ's quantize/dequantize kernels (`Workload.quant_s_per_element`)."""
+  return work.quant_s_per_element * quant_elements(point, work, gpus)
 
 
 def step_time(compute_s: float, comm_s: float, overlap: str = "none") -> float:
@@ -125,11 +195,15 @@ def step_time(compute_s: float, comm_s: float, overlap: str = "none") -> float:
 
 
 def model_state_bytes(point: Point, work: Workload, gpus: int) -> dict:
-  """Per-device bytes of parameters, gradients, master weights + optimizer states (AMSP §IV-D)."""
+  """Per-device bytes of parameters, gradients, master weights + optimizer states (AMSP §IV-D), hpZ's
+  secondary shard and Radius's residual (each replica's unsent gradient, fp32, sharded like the
+  parameters)."""
   phi = work.numel
-  out = {"params": work.param_bytes * phi // point.s_p, "grads": work.grad_bytes * phi // point.s_g,
+  out = {"params": work.param_bytes * phi // point.s_p,
+         "grads": (2 if point.reduce16 else work.grad_bytes) * phi // point.s_g,
          "optimizer": (4 + work.opt_bytes_per_param) * phi // point.s_os,
-         "hpz_secondary": work.param_bytes * phi // gpus if point.zeropp and point.s_p > gpus else 0}
+         "hpz_secondary": work.param_bytes * phi // gpus if point.hpz and point.s_p > gpus else 0,
+         "radius_residual": 4 * phi // point.s_p if point.radius else 0}
   out["model_state"] = sum(out.values())
   out["total"] = out["model_state"] + work.activation_bytes
   return out

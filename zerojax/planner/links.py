@@ -49,7 +49,8 @@ def link_profile(nodes: int, gpus: int, *, b_gpu: float, b_node: float, source: 
                  lat_us: dict = NCCL_RING_SIMPLE_US) -> dict:
   """The profile JSON (`planner.load_profile`'s format) of a nodes x gpus cluster from its links."""
   world = nodes * gpus
-  needed = sorted({(k, s) for pt in plan_space(nodes, gpus, zeropp=True) for _, k, s in groups_needed(pt, world)})
+  needed = sorted({(k, s) for pt in plan_space(nodes, gpus, techniques=True, lossy=True)
+                   for _, k, s in groups_needed(pt, world, gpus)})
   groups = {group_key(k, s): {op: group_fit(op, k, s, gpus, b_gpu, b_node, lat_us) for op in OPS}
             for k, s in needed}
   return {"mesh": {"nodes": nodes, "gpus": gpus}, "backend": "links", "source": source,

@@ -87,7 +87,8 @@ def profile(mesh, sizes: list[int], reps: int = 3, log=None) -> dict:
   """Profiles every (op, group) that a point of the plan space runs on `mesh`."""
   nodes, gpus = mesh_lib.base_shape(mesh)
   world = nodes * gpus
-  needed = sorted({(k, s) for pt in plan_space(nodes, gpus, zeropp=True) for _, k, s in groups_needed(pt, world)})
+  needed = sorted({(k, s) for pt in plan_space(nodes, gpus, techniques=True, lossy=True)
+                   for _, k, s in groups_needed(pt, world, gpus)})
   out = {"mesh": {"nodes": nodes, "gpus": gpus}, "sizes": sizes, "reps": reps,
          "date": datetime.date.today().isoformat(), "backend": jax.default_backend(), "groups": {}}
   for i, (k, stride) in enumerate(needed):

@@ -18,8 +18,9 @@ import jax
 import numpy as np
 
 from zerojax import mesh as mesh_lib
-from zerojax.planner.cost import Workload, comm_time, model_state_bytes, step_time
-from zerojax.planner.space import Point, plan_space
+from zerojax.planner import agree
+from zerojax.planner.cost import Workload, comm_time, model_state_bytes, quant_time, step_time
+from zerojax.planner.space import Point, grad_options, param_options, plan_space
 
 
 class PlanError(ValueError):
@@ -51,27 +52,71 @@ def workload(executor, compute_s: float = 0.0, activation_bytes: int = 0) -> Wor
                   np.dtype(executor.plan.reduce_dtype).itemsize)
 
 
-def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_bytes: float | None = None,
-         zeropp: bool = False, compute: dict | None = None, overlap: str = "none") -> list[dict]:
-  """One row per point, fastest predicted step first: name, degrees, times, memory, fits.
+TECHNIQUES = ("weight_bits", "hpz", "hierarchical", "grad_bits", "reduce16", "radius")
 
-  `compute` is `planner.compute.per_plan`'s table (None: `work.compute_s` for every plan, AMSP as
-  written). Each row also holds `T_step_uniform`, the step predicted by that uniform model, to compare."""
+
+def _row(pt: Point, nodes: int, gpus: int, work: Workload, profile: dict, c: float, c0: float, act: int,
+         uniform: bool, overlap: str, cap: float | None) -> dict:
+  full = comm_time(pt, work, profile, gpus)
+  times = full if uniform else comm_time(pt, work, profile, gpus, spanning_only=True)
+  q = quant_time(pt, work, gpus)
+  mem = model_state_bytes(pt, dataclasses.replace(work, activation_bytes=act), gpus)
+  tech = {k: getattr(pt, k) for k in TECHNIQUES}
+  return {"plan": pt.name(nodes * gpus), "s_p": pt.s_p, "s_g": pt.s_g, "s_os": pt.s_os, **tech, **times,
+          "T_quant": q, "compute_s": c, "T_step": step_time(c + q, times["T_comm"], overlap),
+          "T_step_uniform": c0 + q + full["T_comm"], "bytes_per_device": mem["total"],
+          "model_state_bytes": mem["model_state"], "fits": cap is None or mem["total"] <= cap}
+
+
+def pareto(rows: list[dict]) -> list[dict]:
+  """The rows no other row dominates: none is at least as fast in compute + quantization, in
+  communication and in memory, and faster or smaller in one (ties keep the first)."""
+  key = lambda r: (r["compute_s"] + r["T_quant"], r["T_comm"], r["bytes_per_device"])
+  out = []
+  for i, r in enumerate(rows):
+    a = key(r)
+    if not any(all(x <= y for x, y in zip(key(o), a)) and (key(o) != a or j < i)
+               for j, o in enumerate(rows) if j != i):
+      out.append(r)
+  return out
+
+
+def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_bytes: float | None = None,
+         techniques: bool = False, lossy: bool = False, compute: dict | None = None, overlap: str = "none",
+         prune: bool = True) -> list[dict]:
+  """One row per point, fastest predicted step first: name, degrees, techniques, times, memory, fits.
+
+  `techniques` ranks every technique on every degree point (`space.with_techniques`; `lossy` adds int4
+  weights and Radius). The step is additive in a point's parameter techniques (T_p, qwZ's kernels, hpZ's
+  memory) and its gradient techniques (T_g, T_os^0, qgZ's kernels, gradient and residual memory), so with
+  `prune` each set is cut to its Pareto front (`pareto`) before they are combined, and only the
+  combinations' front is ranked: what is left out is slower and no smaller than a row that is kept.
+
+  `compute` is `planner.compute.per_plan`'s table over the degree points (None: `work.compute_s` for
+  every plan, AMSP as written); its `quant_s_per_element` prices qwZ/qgZ's kernels. Each row also holds
+  `T_step_uniform`, the step predicted with DP's compute for every plan, to compare."""
   rows = []
   uniform = compute is None or compute["mode"] == "uniform"
   c0 = work.compute_s if compute is None else compute["dp_s"]
-  for pt in plan_space(nodes, gpus, zeropp=zeropp):
-    name = pt.name(nodes * gpus)
-    full = comm_time(pt, work, profile, gpus)
-    times = full if uniform else comm_time(pt, work, profile, gpus, spanning_only=True)
+  if compute is not None and compute.get("quant_s_per_element") is not None:
+    work = dataclasses.replace(work, quant_s_per_element=compute["quant_s_per_element"])
+  world = nodes * gpus
+  for base in plan_space(nodes, gpus):
+    name = base.name(world)
     c = c0 if uniform else compute["compute_s"][name]
     act = work.activation_bytes if compute is None else compute["temp_bytes"][name]
-    mem = model_state_bytes(pt, dataclasses.replace(work, activation_bytes=act), gpus)
-    rows.append({"plan": name, "s_p": pt.s_p, "s_g": pt.s_g, "s_os": pt.s_os,
-                 "zeropp": pt.zeropp, **times, "compute_s": c, "T_step": step_time(c, times["T_comm"], overlap),
-                 "T_step_uniform": c0 + full["T_comm"], "bytes_per_device": mem["total"],
-                 "model_state_bytes": mem["model_state"],
-                 "fits": memory_cap_bytes is None or mem["total"] <= memory_cap_bytes})
+    row = lambda pt: _row(pt, nodes, gpus, work, profile, c, c0, act, uniform, overlap, memory_cap_bytes)
+    if not techniques:
+      rows.append(row(base))
+      continue
+    params = [dataclasses.replace(base, **o) for o in param_options(base, gpus, lossy)]
+    grads = [dataclasses.replace(base, **o) for o in grad_options(base, world, gpus, lossy)]
+    if prune:
+      params = [point_of(r) for r in pareto([row(p) for p in params])]
+      grads = [point_of(r) for r in pareto([row(g) for g in grads])]
+    combos = [row(dataclasses.replace(p, **{k: getattr(g, k) for k in ("grad_bits", "reduce16", "radius")}))
+              for p in params for g in grads]
+    rows += pareto(combos) if prune else combos
   return sorted(rows, key=lambda r: (r["T_step"], r["bytes_per_device"], r["plan"]))
 
 
@@ -97,16 +142,20 @@ def why(rows: list[dict], best: dict, memory_cap_gb: float | None = None) -> str
 
 
 def point_of(row: dict) -> Point:
-  return Point(row["s_p"], row["s_g"], row["s_os"], row["zeropp"])
+  """The point of a ranked row (also of a row read back from JSON)."""
+  tech = {k: row.get(k, Point.__dataclass_fields__[k].default) for k in TECHNIQUES}
+  if isinstance(tech["grad_bits"], list):
+    tech["grad_bits"] = tuple(tech["grad_bits"])
+  return Point(row["s_p"], row["s_g"], row["s_os"], **tech)
 
 
 def render(rows: list[dict], chosen: dict | None = None) -> str:
-  head = (f"{'plan':<26}{'s_p':>4}{'s_g':>4}{'s_os':>5}{'C s':>8}{'T_comm s':>10}{'T_step s':>10}{'MB/device':>11}"
+  head = (f"{'plan':<36}{'s_p':>4}{'s_g':>4}{'s_os':>5}{'C s':>8}{'T_comm s':>10}{'T_step s':>10}{'MB/device':>11}"
           "  fits")
   lines = [head, "-" * len(head)]
   for r in rows:
     mark = " <- chosen" if chosen is not None and r is chosen else ""
-    lines.append(f"{r['plan']:<26}{r['s_p']:>4}{r['s_g']:>4}{r['s_os']:>5}{r['compute_s']:>8.3f}{r['T_comm']:>10.3f}"
+    lines.append(f"{r['plan']:<36}{r['s_p']:>4}{r['s_g']:>4}{r['s_os']:>5}{r['compute_s']:>8.3f}{r['T_comm']:>10.3f}"
                  f"{r['T_step']:>10.3f}{r['bytes_per_device'] / 1e6:>11.2f}  {'yes' if r['fits'] else 'no'}{mark}")
   return "\n".join(lines)
 
@@ -118,52 +167,84 @@ class Auto:
   Attributes:
     profile: a profile JSON written by `python -m zerojax.planner.profile` (None: measure one now).
     memory_cap_gb: per-device memory available for model states and activations (None: no cap).
-    zeropp: also consider ZeRO++'s qwZ/hpZ/qgZ on every point with sharded parameters.
+    techniques: rank every technique on every degree point (qwZ, hpZ, qgZ with per-hop bits,
+      hierarchical gathers, 16-bit reduction; `space`); False: the shard degrees only (AMSP as written).
+    lossy: also rank int4 weights and Radius's sparse replica sync, which change what is trained by more
+      than ZeRO++'s int8 weights / int4 gradients do (their accuracy cost: `benchmarks/RESULTS.md`).
     compute: how each plan's compute is known (`planner.compute`): "uniform" (default: DP's step
       measured in this process, every collective from the profile; it ranked plans best on the emulated
       cluster), "anchors" (four plans measured, the rest fitted), "measured" (every plan measured).
     overlap: "none" (step = compute + communication) or "full" (the larger of the two).
+
+  On several processes the decision is one for the whole cluster (`planner.agree`): process 0 says
+  whether the profile file exists, the measured compute is the slowest process's, process 0 ranks and
+  its table and choice are broadcast.
   """
   profile: str | None = None
   memory_cap_gb: float | None = None
-  zeropp: bool = False
+  techniques: bool = True
+  lossy: bool = False
   compute: str = "uniform"
   overlap: str = "none"
   name: str = "auto"
 
-  def load(self, mesh, log=print) -> dict:
-    """The profile file, or a profile measured now (written to `self.profile` when that is set)."""
+  def load(self, mesh, log=print) -> dict | None:
+    """The profile file, or a profile measured now (written to `self.profile` when that is set). Whether
+    the file exists is process 0's answer; the profile itself is needed (and returned) on process 0 only
+    when there are several processes (None on the others)."""
     from zerojax.planner import profile as profile_lib
     nodes, gpus = mesh_lib.base_shape(mesh)
-    if self.profile and os.path.exists(self.profile):
-      return load_profile(self.profile, nodes, gpus)
+    lead = jax.process_index() == 0
+    exists = agree.from_process0(bool(lead and self.profile and os.path.exists(self.profile)))
+    if exists:  # process 0 reads it; a file it cannot use stops every process with the same error
+      prof, error = None, None
+      if lead:
+        try:
+          prof = load_profile(self.profile, nodes, gpus)
+        except (PlanError, ValueError, OSError) as e:
+          error = str(e)
+      error = agree.from_process0(error)
+      if error:
+        raise PlanError(error)
+      return prof
     log(f"zerojax: auto: profiling the collectives of this {nodes} x {gpus} cluster"
         + (f" (no profile at {self.profile})" if self.profile else ""))
     prof = profile_lib.profile(mesh, [65536, 524288, 2097152])
-    if self.profile and jax.process_index() == 0:
+    if self.profile and lead:
       with open(self.profile, "w") as f:
         json.dump(prof, f, indent=2)
     return prof
 
   def plan_for(self, mesh, work: Workload, make_executor, batch, log=print):
     """(the chosen Plan, the ranked rows) for `mesh` and the workload; `make_executor(Plan)` builds the
-    model under a plan on this process's devices, `batch` one step's batch, to measure compute."""
+    model under a plan on the mesh, `batch` one step's batch, to measure compute. Every process gets
+    the same plan and rows (process 0's decision on the slowest process's compute)."""
     from zerojax.planner import compute as compute_lib
     nodes, gpus = mesh_lib.base_shape(mesh)
     prof = self.load(mesh, log)
-    points = plan_space(nodes, gpus, zeropp=self.zeropp)
-    table = compute_lib.per_plan(make_executor, points, nodes, gpus, work, batch, mode=self.compute,
-                                 zeropp=self.zeropp, log=log)
+    table = compute_lib.per_plan(make_executor, plan_space(nodes, gpus), nodes, gpus, work, batch,
+                                 mode=self.compute, log=log)
+    table = agree.compute_table(table)
     cap = self.memory_cap_gb * 2**30 if self.memory_cap_gb else None
-    rows = rank(nodes, gpus, work, prof, memory_cap_bytes=cap, zeropp=self.zeropp, compute=table,
-                overlap=self.overlap)
-    best = choose(rows, cap)
+    decision = None
+    if jax.process_index() == 0:
+      try:
+        rows = rank(nodes, gpus, work, prof, memory_cap_bytes=cap, techniques=self.techniques, lossy=self.lossy,
+                    compute=table, overlap=self.overlap)
+        decision = {"rows": rows, "chosen": rows.index(choose(rows, cap))}
+      except (PlanError, ValueError) as e:  # e.g. a profile without a group: every process stops alike
+        decision = {"error": str(e)}
+    decision = agree.from_process0(decision)
+    if "error" in decision:
+      raise PlanError(decision["error"])
+    rows = decision["rows"]
+    best = rows[decision["chosen"]]
     log(render(rows, best))
     log(f"zerojax: auto chose {why(rows, best, self.memory_cap_gb)}")
     return point_of(best).plan(nodes, gpus), rows
 
 
-def auto(profile: str | None = None, memory_cap_gb: float | None = None, zeropp: bool = False,
-         compute: str = "uniform", overlap: str = "none") -> Auto:
+def auto(profile: str | None = None, memory_cap_gb: float | None = None, techniques: bool = True,
+         lossy: bool = False, compute: str = "uniform", overlap: str = "none") -> Auto:
   """The AMSP planner as a plan value (gin: `train.plan = @auto()`, `auto.profile = 'p.json'`)."""
-  return Auto(profile, memory_cap_gb, zeropp, compute, overlap)
+  return Auto(profile, memory_cap_gb, techniques, lossy, compute, overlap)

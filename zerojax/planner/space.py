@@ -1,4 +1,4 @@
-"""AMSP's plan space: shard degrees s_p ≤ s_g ≤ s_os for parameters, gradients and optimizer states.
+"""AMSP's plan space: shard degrees s_p ≤ s_g ≤ s_os, and every communication technique on top of them.
 
 Each degree is a 2-D mesh s = s^0 (devices inside a node) x s^1 (nodes), with s^0 | G and s^1 | N (Eqs.
 5–6), nested per axis (s_p^k | s_g^k | s_os^k, the dependency rule of §IV-B), and s_g ∈ {s_p, s_os}
@@ -6,19 +6,39 @@ Each degree is a 2-D mesh s = s^0 (devices inside a node) x s^1 (nodes), with s^
 use every device of them: s^1 > 1 ⇒ s^0 = G. Each degree is then one group of consecutive ranks (a
 divisor of a node, or whole nodes) and one int, and 128 x 8 has 121 points; without it (`eq7=False`) a
 group may take s^0 < G devices of each of s^1 nodes, and 128 x 8 has 688 points (AMSP §V-B). DP,
-ZeRO-1/2/3 and MiCS of every group size are Eq. 7 points; with `zeropp=True` each point with sharded
-parameters also comes with ZeRO++'s qwZ/hpZ/qgZ. The executor and the profile run groups of consecutive
-ranks, so the points outside Eq. 7 are enumerated (to count and inspect them) but not planned.
+ZeRO-1/2/3 and MiCS of every group size are Eq. 7 points. The executor and the profile run groups of
+consecutive ranks, so the points outside Eq. 7 are enumerated (to count and inspect them) but not planned.
+
+With `techniques=True` every degree point also comes with every technique a user could name on it:
+
+  parameters  (s_p > 1)  qwZ 8 bits (ZeRO++ §3.1; 4 bits only with `lossy`), hpZ with the secondary
+                         shard in the node (§3.2, when s_p spans nodes), a flat or a hierarchical gather
+                         (MiCS §3.3, when s_p spans nodes)
+  gradients   (s_g > 1)  qgZ 8 or 4 bits, and per hop (8 in the node, 4 across nodes; ZeRO++ §3.3,
+                         SDP4Bit §3.2) when s_g spans nodes
+  reduction              16-bit gradients (`reduce_dtype = bfloat16`, DeepSpeed's ZeRO-3 default and
+                         ZeRO++'s baseline), or fp32
+  replicas    (s_os < N G) Radius's sparse replica sync (Radius §4), only with `lossy`
+
+qwZ int8 and qgZ int4 are ZeRO++ as published (trained to the baseline's loss, ZeRO++ §5.3) and count
+as not lossy; int4 weights and Radius's top-k change what is trained by more than that and are taken
+only when the user allows it. `named(nodes, gpus)` maps every plan a user picks by name (the gin configs
+in `configs/`) to its point.
 
 References:
   AMSP: Chen et al. 2023, §IV-B (dependency rule), §V-B (Eqs. 3–7, pre-filter and brute-force search).
+  ZeRO++: Wang et al. 2023, §3.1–3.3 (qwZ, hpZ, qgZ), §5.3 (convergence).
+  MiCS: Zhang et al. 2022, §3.3 (hierarchical gather). Radius: Zheng & Zhang, §4.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from zerojax import mesh as mesh_lib
-from zerojax.plan import Plan
+from zerojax.plan import Plan, radius
+
+BLOCK = 256  # elements per qwZ/qgZ quantization block (the Plan defaults)
 
 
 def degrees(nodes: int, gpus: int) -> list[int]:
@@ -29,13 +49,42 @@ def degrees(nodes: int, gpus: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-  """One point of the space: shard degrees, whether ZeRO++'s techniques are on, and for a point outside
-  Eq. 7 the in-node parts (s_p^0, s_g^0, s_os^0) of its degrees (None: s^0 = min(s, G))."""
+  """One point of the space: shard degrees, the techniques on them, and for a point outside Eq. 7 the
+  in-node parts (s_p^0, s_g^0, s_os^0) of its degrees (None: s^0 = min(s, G)).
+
+  Techniques: `weight_bits` qwZ (None, 8, 4); `hpz` hpZ's in-node secondary shard; `hierarchical` the
+  MiCS gather for a parameter group that spans nodes (False: flat); `grad_bits` qgZ (None, 8, 4, or
+  (intra, inter) per hop); `reduce16` 16-bit gradient reduction; `radius` Radius's replica sync."""
   s_p: int
   s_g: int
   s_os: int
-  zeropp: bool = False
+  weight_bits: int | None = None
+  hpz: bool = False
+  hierarchical: bool = False
+  grad_bits: int | tuple[int, int] | None = None
+  reduce16: bool = False
+  radius: bool = False
   intra: tuple[int, int, int] | None = None
+
+  @property
+  def base(self) -> Point:
+    """The same degrees with no technique."""
+    return Point(self.s_p, self.s_g, self.s_os, intra=self.intra)
+
+  @property
+  def quantized(self) -> bool:
+    return bool(self.weight_bits or self.grad_bits)
+
+  @property
+  def lossy(self) -> bool:
+    """int4 weights or Radius: allowed only with `auto.lossy = True`."""
+    return self.weight_bits == 4 or self.radius
+
+  @property
+  def hop_bits(self) -> tuple[int, int] | None:
+    if self.grad_bits is None:
+      return None
+    return tuple(self.grad_bits) if isinstance(self.grad_bits, tuple) else (self.grad_bits,) * 2
 
   def meshes(self, gpus: int) -> tuple[tuple[int, int], ...]:
     """((s_p^0, s_p^1), (s_g^0, s_g^1), (s_os^0, s_os^1))."""
@@ -45,31 +94,72 @@ class Point:
   def name(self, world: int) -> str:
     if self.intra is not None:
       (p0, p1), (g0, g1), (o0, o1) = self.meshes(gpus=0)  # gpus unused: intra is given
-      return f"amsp-p{p0}x{p1}-g{g0}x{g1}-os{o0}x{o1}" + ("+zeropp" if self.zeropp else "")
+      return f"amsp-p{p0}x{p1}-g{g0}x{g1}-os{o0}x{o1}" + self.suffix()
+    if self == Point(world, world, world, weight_bits=8, hpz=True, grad_bits=4):
+      return "zeropp"  # ZeRO++ as published (`zerojax.plan.zeropp`, configs/zeropp.gin)
     known = {(1, 1, 1): "dp", (1, 1, world): "zero1", (1, world, world): "zero2", (world, world, world): "zero3"}
     base = known.get((self.s_p, self.s_g, self.s_os))
     if base is None and self.s_p == self.s_g == self.s_os:
       base = f"mics-{self.s_p}"
-    base = base or f"amsp-p{self.s_p}-g{self.s_g}-os{self.s_os}"
-    return base + ("+zeropp" if self.zeropp else "")
+    return (base or f"amsp-p{self.s_p}-g{self.s_g}-os{self.s_os}") + self.suffix()
+
+  def suffix(self) -> str:
+    out = "+hier" if self.hierarchical else ""
+    out += f"+qwz{self.weight_bits}" if self.weight_bits else ""
+    out += "+hpz" if self.hpz else ""
+    if self.grad_bits:
+      b0, b1 = self.hop_bits
+      out += f"+qgz{b0}" if b0 == b1 else f"+qgz{b0}-{b1}"
+    out += "+bf16grad" if self.reduce16 else ""
+    return out + ("+radius" if self.radius else "")
 
   def plan(self, nodes: int, gpus: int, **fields) -> Plan:
     """The executor's plan for this point (groups named by size; the executor factors the mesh)."""
     if self.intra is not None:
       raise ValueError(f"point {self.name(nodes * gpus)} breaks AMSP's node-spanning rule (Eq. 7); the executor "
                        "runs groups of consecutive devices only: use plan_space(..., eq7=True)")
-    kw = dict(fields)
-    if self.zeropp:
-      kw.update(weight_bits=8, grad_bits=4 if self.s_g > 1 else None)
-      if self.s_p > gpus:
-        kw["secondary_axes"] = ("gpu",)  # hpZ: the backward gather stays inside the node
-    kw.setdefault("hierarchical", None)
+    kw = dict(hierarchical=self.hierarchical, weight_bits=self.weight_bits, grad_bits=self.grad_bits)
+    if self.hpz:
+      kw["secondary_axes"] = ("gpu",)  # hpZ: the backward gather stays inside the node
+    if self.reduce16:
+      kw["reduce_dtype"] = "bfloat16"
+    if self.radius:
+      kw["replica_sync"] = radius()
+    kw.update(fields)
     return Plan(name=self.name(nodes * gpus), param_axes=self.s_p, grad_axes=self.s_g, opt_axes=self.s_os, **kw)
 
 
-def plan_space(nodes: int, gpus: int, *, zeropp: bool = False, eq7: bool = True) -> list[Point]:
-  """Every valid point, in a stable order (by s_p, then s_os, then s_g); `eq7=False` adds the points
-  whose node-spanning groups use fewer than all devices of their nodes (after the Eq. 7 points)."""
+def param_options(pt: Point, gpus: int, lossy: bool = False) -> list[dict]:
+  """The parameter techniques a point with these degrees may use: qwZ bits x hpZ x gather."""
+  if pt.s_p == 1:
+    return [{}]
+  spans = pt.s_p > gpus
+  bits = (None, 8, 4) if lossy else (None, 8)
+  return [dict(weight_bits=b, hpz=h, hierarchical=hier) for b in bits for h in ((False, True) if spans else (False,))
+          for hier in ((False, True) if spans else (False,))]
+
+
+def grad_options(pt: Point, world: int, gpus: int, lossy: bool = False) -> list[dict]:
+  """The gradient techniques: fp32, qgZ bits (per hop when s_g spans nodes) or a 16-bit reduction, each
+  with or without Radius."""
+  bits = [None] + ([8, 4] + ([(8, 4)] if pt.s_g > gpus else []) if pt.s_g > 1 else [])
+  rad = (False, True) if lossy and pt.s_os < world else (False,)
+  reductions = [(b, False) for b in bits] + [(None, True)]  # qgZ is its own reduction: no 16-bit with it
+  return [dict(grad_bits=b, reduce16=r16, radius=r) for b, r16 in reductions for r in rad]
+
+
+def with_techniques(pt: Point, nodes: int, gpus: int, lossy: bool = False) -> list[Point]:
+  """Every point with `pt`'s degrees and the techniques it may use (the first is `pt` itself)."""
+  world = nodes * gpus
+  return [dataclasses.replace(pt, **a, **b) for a, b in
+          itertools.product(param_options(pt, gpus, lossy), grad_options(pt, world, gpus, lossy))]
+
+
+def plan_space(nodes: int, gpus: int, *, techniques: bool = False, lossy: bool = False,
+               eq7: bool = True) -> list[Point]:
+  """Every valid point, in a stable order (by s_p, then s_os, then s_g; with `techniques`, each degree
+  point followed by its technique variants); `eq7=False` adds the points whose node-spanning groups use
+  fewer than all devices of their nodes (after the Eq. 7 points, without techniques)."""
   ds = degrees(nodes, gpus)
   out = []
   for p in ds:
@@ -77,14 +167,32 @@ def plan_space(nodes: int, gpus: int, *, zeropp: bool = False, eq7: bool = True)
       if os_ % p:
         continue
       for g in sorted({p, os_}):
-        out.append(Point(p, g, os_))
-        if zeropp and p > 1:
-          out.append(Point(p, g, os_, zeropp=True))
-  for pt in out:
-    for d in (pt.s_p, pt.s_g, pt.s_os):
-      mesh_lib.check_group(d, nodes, gpus)
+        pt = Point(p, g, os_)
+        out += with_techniques(pt, nodes, gpus, lossy) if techniques else [pt]
+  for d in ds:
+    mesh_lib.check_group(d, nodes, gpus)
   if not eq7:
     out += _beyond_eq7(nodes, gpus)
+  return out
+
+
+def named(nodes: int, gpus: int) -> dict[str, Point]:
+  """The point of every plan a user picks by name (`zerojax.plan` and the gin configs in `configs/`)."""
+  world, spans = nodes * gpus, nodes > 1
+  z3 = Point(world, world, world)
+  out = {"dp": Point(1, 1, 1), "zero1": Point(1, 1, world), "zero2": Point(1, world, world), "zero3": z3,
+         "zero3_bf16grad": dataclasses.replace(z3, reduce16=True),
+         "zeropp": dataclasses.replace(z3, weight_bits=8, hpz=spans, grad_bits=4),
+         "zeropp_int4": dataclasses.replace(z3, weight_bits=4, hpz=spans, grad_bits=(8, 4) if spans else 8),
+         "qwz": dataclasses.replace(z3, weight_bits=8), "qgz": dataclasses.replace(z3, grad_bits=4),
+         "mics": Point(gpus, gpus, gpus), "mics_qwz": Point(gpus, gpus, gpus, weight_bits=8),
+         "mics_radius": Point(gpus, gpus, gpus, radius=True)}
+  if spans:
+    out["hpz"] = dataclasses.replace(z3, hpz=True)
+  if nodes % 2 == 0 and spans:
+    two = Point(2 * gpus, 2 * gpus, 2 * gpus, hierarchical=True)
+    out.update(mics_2node=two, mics_hpz=dataclasses.replace(two, hpz=True),
+               mics_qgz=dataclasses.replace(two, grad_bits=8))
   return out
 
 

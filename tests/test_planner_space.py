@@ -1,0 +1,137 @@
+"""The planner's whole space: every plan a user picks by name is in it, the techniques are priced so that
+ZeRO++ wins where it should, lossy techniques only when allowed, and the pruned search is exact and small."""
+import dataclasses
+
+import pytest
+
+import zerojax
+from zerojax import mesh as mesh_lib, planner
+from zerojax import plan as plans
+from zerojax.planner import cost, links
+from tests import helpers
+
+# The plans of `configs/*.gin`, as their constructors build them.
+NAMED = {
+    "dp": lambda n, g: plans.dp(), "zero1": lambda n, g: plans.zero1(), "zero2": lambda n, g: plans.zero2(),
+    "zero3": lambda n, g: plans.zero3(), "zero3_bf16grad": lambda n, g: plans.zero3(reduce_dtype="bfloat16"),
+    "zeropp": lambda n, g: plans.zeropp(),
+    "zeropp_int4": lambda n, g: plans.zeropp(weight_bits=4, grad_bits=(8, 4)),
+    "qwz": lambda n, g: plans.zeropp(secondary_axes=None, grad_bits=None),
+    "hpz": lambda n, g: plans.zeropp(weight_bits=None, grad_bits=None),
+    "qgz": lambda n, g: plans.zeropp(weight_bits=None, secondary_axes=None),
+    "mics": lambda n, g: plans.mics(), "mics_qwz": lambda n, g: plans.mics(weight_bits=8),
+    "mics_radius": lambda n, g: plans.mics(replica_sync=plans.radius()),
+    "mics_2node": lambda n, g: plans.mics(2 * g, hierarchical=True),
+    "mics_hpz": lambda n, g: plans.mics(2 * g, hierarchical=True, secondary_axes=("gpu",)),
+    "mics_qgz": lambda n, g: plans.mics(2 * g, hierarchical=True, grad_bits=8),
+}
+
+
+def same_plan(a: plans.Plan, b: plans.Plan, mesh) -> bool:
+  """Whether two plans shard and communicate alike on `mesh` (names and schedule options aside)."""
+  m = mesh_lib.factor(mesh, tuple(sorted(set(a.groups()) | set(b.groups()))))
+  ra, rb = a.resolve(m), b.resolve(m)
+  sets = lambda p: [frozenset(getattr(p, f) or ()) for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes")]
+  fields = lambda p: (p.hierarchical, p.weight_bits, p.hop_bits, p.reduce_dtype, p.replica_sync is not None)
+  return sets(ra) == sets(rb) and fields(ra) == fields(rb)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_space_contains_every_named_plan(shape):
+  nodes, gpus = shape
+  mesh = zerojax.make_mesh(nodes, gpus)
+  named = planner.named(nodes, gpus)
+  assert set(named) == set(NAMED)
+  safe, lossy = (set(planner.plan_space(nodes, gpus, techniques=True, lossy=x)) for x in (False, True))
+  for name, pt in named.items():
+    assert pt in lossy, name
+    assert (pt in safe) == (not pt.lossy), name  # int4 weights and Radius only with lossy
+    assert same_plan(pt.plan(nodes, gpus), NAMED[name](nodes, gpus), mesh), name
+  assert named["zeropp"].name(nodes * gpus) == "zeropp" and named["zero3"].name(nodes * gpus) == "zero3"
+  assert named["mics"].name(nodes * gpus) == f"mics-{gpus}"
+  assert not same_plan(named["zeropp"].plan(nodes, gpus), plans.zero3(), mesh)  # the comparison can fail
+
+
+@pytest.mark.slow
+def test_a_technique_point_runs_like_the_named_plan():
+  """ZeRO++'s techniques with MiCS's hierarchical gather, a combination no named plan has: the gradient
+  the optimizer sees is the named ZeRO++'s (the gather's order changes no value), which is single-device
+  jax.grad's up to int8 weights and int4 gradients (on this tiny model, within 0.35 relative L2)."""
+  model, params, batch, want = helpers.reference_case()
+  pt = planner.Point(8, 8, 8, weight_bits=8, hpz=True, hierarchical=True, grad_bits=4)
+  assert pt in planner.plan_space(2, 4, techniques=True)
+  mesh = zerojax.make_mesh(2, 4)
+  got, _ = helpers.sharded_grads(pt.plan(2, 4, param_dtype="float32"), mesh, model, params, batch)
+  named, _ = helpers.sharded_grads(plans.zeropp(param_dtype="float32"), mesh, model, params, batch)
+  assert helpers.rel_l2(got, named) < 1e-6
+  assert helpers.rel_l2(named, want) < 0.35
+
+
+WORK = cost.Workload(units=((4096 * 64, 1), (65536 * 64, 4), (4096 * 64, 1)), accum=1, compute_s=0.1)
+
+
+def slow_links(nodes=2, gpus=4, b_node=1e9):
+  """NVLink-class links inside a node, 1 GB/s per node between nodes (`planner.links`)."""
+  return links.link_profile(nodes, gpus, b_gpu=200e9, b_node=b_node, source="test: slow links between nodes")
+
+
+def test_zeropp_wins_where_inter_node_links_are_slow():
+  """ZeRO++'s regime (ZeRO++ §1, §5): slow links between nodes, one micro-batch per step. Its int8
+  forward gather, in-node backward gather and int4 gradients beat every other plan in the space."""
+  rows = planner.rank(2, 4, WORK, slow_links(), techniques=True)
+  best = planner.choose(rows)
+  assert best["plan"] == "zeropp", [r["plan"] for r in rows[:5]]
+  degrees = planner.choose(planner.rank(2, 4, WORK, slow_links()))  # AMSP's degrees alone
+  by = {r["plan"]: r for r in planner.rank(2, 4, WORK, slow_links(), techniques=True, prune=False)}
+  assert best["T_step"] < min(degrees["T_step"], by["zero3"]["T_step"], by["mics-4"]["T_step"])
+  # a fast network: quantizing does not pay, ZeRO++ is not chosen
+  assert planner.choose(planner.rank(2, 4, WORK, slow_links(b_node=100e9), techniques=True))["plan"] != "zeropp"
+
+
+def test_quantization_compute_is_charged():
+  """qwZ/qgZ's kernels cost time (`Workload.quant_s_per_element`): expensive enough, ZeRO++ loses."""
+  zpp = planner.named(2, 4)["zeropp"]
+  assert cost.quant_elements(zpp, WORK, 4) > 0 and cost.quant_elements(zpp.base, WORK, 4) == 0
+  slow_kernels = dataclasses.replace(WORK, quant_s_per_element=1e-7)
+  rows = planner.rank(2, 4, slow_kernels, slow_links(), techniques=True)
+  assert rows[0]["plan"] != "zeropp" and rows[0]["T_quant"] < min(r["T_quant"] for r in rows if r["weight_bits"])
+
+
+def test_lossy_switch():
+  """Radius and int4 weights are ranked only with lossy=True; where the replica all-reduce dominates
+  (accumulation 4, slow links) the lossy search takes Radius, the default search cannot."""
+  work = dataclasses.replace(WORK, accum=4)
+  safe = planner.rank(2, 4, work, slow_links(), techniques=True)
+  lossy = planner.rank(2, 4, work, slow_links(), techniques=True, lossy=True)
+  assert not any(r["radius"] or r["weight_bits"] == 4 for r in safe)
+  assert any(r["weight_bits"] == 4 for r in lossy)
+  assert lossy[0]["radius"] and lossy[0]["T_step"] < safe[0]["T_step"]
+  assert not any(p.lossy for p in planner.plan_space(2, 4, techniques=True))
+  assert planner.solve.point_of(lossy[0]).plan(2, 4).replica_sync is not None
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_pruned_search_is_exact(lossy):
+  """Pruning keeps the best row under any memory cap: the pruned and the full search choose alike."""
+  prof = slow_links()
+  for accum in (1, 4):
+    work = dataclasses.replace(WORK, accum=accum)
+    full = planner.rank(2, 4, work, prof, techniques=True, lossy=lossy, prune=False)
+    assert len(full) == len(planner.plan_space(2, 4, techniques=True, lossy=lossy))
+    sizes = sorted({r["bytes_per_device"] for r in full})
+    for cap in sizes[:: max(1, len(sizes) // 8)]:
+      want = planner.choose([r for r in full if r["bytes_per_device"] <= cap])
+      got = planner.choose(planner.rank(2, 4, work, prof, techniques=True, lossy=lossy, memory_cap_bytes=cap), cap)
+      assert got["T_step"] == want["T_step"] and got["bytes_per_device"] <= cap
+
+
+def test_search_at_1024_gpus_is_pruned_and_exact():
+  """AMSP's cluster, 128 x 8: the space of every technique has thousands of points; the pruned search
+  ranks a few hundred and chooses what the full search chooses."""
+  prof = links.amsp_a800()
+  work = cost.Workload.transformer(layers=32, d_model=4096, d_ff=11008, vocab=32000, accum=1, compute_s=1.0)
+  space = planner.plan_space(128, 8, techniques=True, lossy=True)
+  rows = planner.rank(128, 8, work, prof, techniques=True, lossy=True)
+  full = planner.rank(128, 8, work, prof, techniques=True, lossy=True, prune=False)
+  assert len(full) == len(space) > 5000 and len(rows) < len(space) / 10
+  assert rows[0]["T_step"] == full[0]["T_step"]
