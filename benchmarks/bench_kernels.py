@@ -51,7 +51,7 @@ def backends():
   names = ["xla", "pallas"]
   if jax.default_backend() == "gpu":
     try:
-      Q._resolve("triton")
+      Q.resolve_backend("triton")
       names.append("triton")
     except RuntimeError:
       pass

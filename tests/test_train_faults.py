@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_train import error_line, saved_steps, steps_of, train
+from tests.train_helpers import error_line, saved_steps, steps_of, train
 
 
 def losses(workdir) -> dict:

@@ -9,7 +9,7 @@ import struct
 import subprocess
 import time
 
-from tests.test_train import ROOT, clean_env, command, error_line, saved_steps, steps_of, train
+from tests.train_helpers import ROOT, clean_env, command, error_line, saved_steps, steps_of, train
 
 STEPS = 60
 
