@@ -3,7 +3,7 @@ collectives after three steps, compared bitwise with values stored in tests/gold
 
 Each config of configs/ is parsed as `train.py` parses it, with a tiny model and three steps of two
 micro-batches (`OVERRIDES`), and the executor is built by the trainer's `build` from the arguments gin
-gives `train`. Three steps reach every program a config runs: with Radius the warm-up is one step and
+gives `train` (`zerojax.cli.account.gin_executor`). Three steps reach every program a config runs: with Radius the warm-up is one step and
 the window two, so the steps run the "dense", "select" and "sparse" programs.
 
 Stored per config (tests/golden/<config>.json):
@@ -25,7 +25,6 @@ import json
 import os
 import pathlib
 import sys
-from unittest import mock
 
 if __name__ == "__main__":  # the same 8 CPU devices as the test session (tests/conftest.py)
   os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -48,24 +47,14 @@ OVERRIDES = (
 )
 
 
-def train_args(config: str) -> dict:
-  """The arguments gin gives `train` for `configs/<config>.gin` with `OVERRIDES` (gin stays parsed)."""
-  from zerojax.train import config as config_lib, trainer
-  gin.clear_config()
-  config_lib.parse([str(ROOT / "configs" / f"{config}.gin")], OVERRIDES)
-  captured = {}
-  with mock.patch.object(trainer, "_train", lambda **kw: captured.update(kw)):
-    trainer.train("unused")
-  return captured
-
-
-def build(args: dict):
-  """The executor `train` builds from its arguments (as `trainer._train` calls `build`)."""
+def build(config: str):
+  """`configs/<config>.gin` with `OVERRIDES` parsed as `train.py` parses it (gin stays parsed): the
+  executor `train` builds and `train`'s arguments."""
+  from zerojax.cli.account import gin_executor
   from zerojax.train import trainer
-  return trainer.build(args["plan"], args["num_nodes"], steps=args["steps"], accum_steps=args["accum_steps"],
-                       pad_multiple=args["pad_multiple"], param_dtype=args["param_dtype"],
-                       compute_dtype=args["compute_dtype"], secondary_group=args["secondary_group"],
-                       batch_size=args["batch_size"])
+  gin.clear_config()
+  ex, args, _ = gin_executor([str(ROOT / "configs" / f"{config}.gin")], list(OVERRIDES), trainer.default_num_nodes())
+  return ex, args
 
 
 def digest(tree) -> str:
@@ -91,8 +80,7 @@ def fingerprint(hlo_text: str, mesh) -> list[str]:
 
 def run(config: str) -> dict:
   """Three steps of `config` from `train`'s initial state on fixed random tokens; the golden record."""
-  args = train_args(config)
-  ex = build(args)
+  ex, args = build(config)
   seq = gin.query_parameter("model_config.seq_len")
   rng = np.random.default_rng(0)
   batches = [rng.integers(0, 256, (args["accum_steps"], args["batch_size"], seq + 1)).astype(np.int32)
