@@ -31,18 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerojax import comm
-from zerojax.unit import (
-  ShardedUnit,
-  UnitMeta,
-  ordered_after,
-  check_collectives,
-  gather_flats,
-  reduce_grads,
-  secondary_shards,
-  params_tree,
-  unit,
-)
+from zerojax.unit import (ShardedUnit, UnitMeta, check_collectives, gather_flats, ordered_after, params_tree,
+                          reduce_and_sync, regather, secondary_shards, shard_cotangents, unit)
 
 
 def scan_layers(f: Callable, params: Any, x: Any) -> Any:
@@ -107,23 +97,15 @@ def _prefetched_fwd(f, meta, shards, sinks, x):
 
 def _prefetched_bwd(f, meta, residuals, g):
   kept, xs, window = residuals
-  plan = meta.plan
   n = kept[0].shape[0]
-
-  def gather(k):  # hpZ: the secondary shard, inside the node
-    if plan.secondary_axes:
-      return comm.all_gather_unit(k, plan.secondary_axes, hierarchical=plan.hierarchical)
-    return gather_flats(meta, k, backward=True)
+  gather = lambda k: regather(meta, k)  # hpZ: the secondary shard, inside the node
 
   def vjp(w, x, g):
     _, pull = jax.vjp(f, params_tree(meta, w), x)
     return pull(g)  # (layer gradient, input cotangent)
 
-  def reduce(dp, win):
-    ds = reduce_grads(meta, dp)
-    if win is not None:  # MiCS §3.4: this layer's replica all-reduce, beside the next layer's backward
-      ds = [lax.psum(d + a, meta.sync_axes) for d, a in zip(ds, win)]
-    return ds
+  def reduce(dp, win):  # MiCS §3.4: with `win`, this layer's replica all-reduce beside the next backward
+    return reduce_and_sync(meta, dp, win)[0]
 
   x_at = lambda i: jax.tree.map(lambda a: a[i], xs)
   win = lambda i: None if window is None else _layer(window, i)
@@ -150,9 +132,7 @@ def _prefetched_bwd(f, meta, residuals, g):
     dp0, g = vjp(w, x_at(0), g)
     ds0 = reduce(dp0, win(0))
     dsinks = [jnp.concatenate([a[None], b[None], c]) for a, b, c in zip(ds0, ds1, ds_top)]
-  k_p = meta.size(plan.param_axes)
-  dshards = [jnp.zeros((n, l.padded // k_p), plan.param_dtype) for l in meta.leaves]
-  return dshards, dsinks, g
+  return shard_cotangents(meta, n), dsinks, g
 
 
 _prefetched.defvjp(_prefetched_fwd, _prefetched_bwd)

@@ -124,6 +124,39 @@ def reduce_grads(meta: UnitMeta, grads: Any, qgz: tuple = (None, None)):
                                          **fidelity)
 
 
+def kept_shards(meta: UnitMeta, shards: list, flats: list) -> list:
+  """What a unit keeps of its weights for the backward: the primary shard, or with hpZ the secondary
+  shard of the (dequantized) gathered weights, so the backward uses exactly the forward's weights."""
+  return secondary_shards(meta, flats) if meta.plan.secondary_axes else shards
+
+
+def regather(meta: UnitMeta, kept: list) -> list:
+  """The backward's gather of the kept shards: over the secondary axes inside the node (hpZ, ZeRO++
+  §3.2), else over A_p like the forward (quantized when `quantize_backward_gather`)."""
+  if meta.plan.secondary_axes:
+    return comm.all_gather_unit(kept, meta.plan.secondary_axes, hierarchical=meta.plan.hierarchical)
+  return gather_flats(meta, kept, backward=True)
+
+
+def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, qgz: tuple = (None, None)):
+  """`(reduced chunks, new error-feedback state or None)`: the gradient reduced over A_g; with `window`
+  (the accumulated sinks of the window's last micro-step) also all-reduced over the replica axes, the
+  sync of MiCS §3.4 overlapped with the rest of the backward."""
+  dsinks, error = reduce_grads(meta, dparams, qgz), None
+  if qgz[0] is not None:  # error feedback: the new errors travel out as the cotangent of the old ones
+    dsinks, error = dsinks
+  if window is not None:
+    dsinks = [lax.psum(d + w, meta.sync_axes) for d, w in zip(dsinks, window)]
+  return dsinks, error
+
+
+def shard_cotangents(meta: UnitMeta, layers: int | None = None) -> list:
+  """Zero cotangents of the parameter shards: the gradient leaves through the sinks."""
+  k_p = meta.size(meta.plan.param_axes)
+  lead = () if layers is None else (layers,)
+  return [jnp.zeros(lead + (l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _sharded_call(f, meta, shards, sinks, qgz, *args):
   del sinks, qgz
@@ -150,7 +183,7 @@ def _sharded_fwd(f, meta, shards, sinks, qgz, *args):
   flats = gather_flats(meta, ordered_after(shards, args))
   # Residual: the primary shard, or with hpZ the secondary shard of the (dequantized) gathered weights,
   # so the backward uses exactly the forward's weights. Never the full gathered weights.
-  kept = secondary_shards(meta, flats) if meta.plan.secondary_axes else shards
+  kept = kept_shards(meta, shards, flats)
   window = sinks if meta.sync_axes else None
   mode = meta.plan.remat_mode
   if mode == "full":  # the backward recomputes the forward from the inputs
@@ -164,25 +197,15 @@ def _sharded_bwd(f, meta, residuals, g):
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
   # gather (keeping full weights alive across the whole step) nor hoist it early.
   kept, g = lax.optimization_barrier((kept, g))
-  kept = ordered_after(kept, g)
-  if meta.plan.secondary_axes:
-    flats = comm.all_gather_unit(kept, meta.plan.secondary_axes, hierarchical=meta.plan.hierarchical)
-  else:
-    flats = gather_flats(meta, kept, backward=True)
+  flats = regather(meta, ordered_after(kept, g))
   if isinstance(args, remat.Saved):  # remat "dots" / "none": the forward's vjp, re-gathered weights in
     vjp = args.vjp_with(params_tree(meta, flats))
   else:
     _, vjp = jax.vjp(f, params_tree(meta, flats), *args)
   dparams, *dargs = vjp(g)
-  k_p = meta.size(meta.plan.param_axes)
-  dshards = [jnp.zeros((l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]
-  dsinks, error = reduce_grads(meta, dparams, qgz), None
-  if qgz[0] is not None:  # error feedback: the new errors travel out as the cotangent of the old ones
-    dsinks, error = dsinks
-  if meta.sync_axes:  # the replica all-reduce of this layer, while earlier layers' backward runs
-    dsinks = [lax.psum(d + w, meta.sync_axes) for d, w in zip(dsinks, window)]
+  dsinks, error = reduce_and_sync(meta, dparams, window, qgz)
   seed = None if qgz[1] is None else np.zeros(qgz[1].shape, jax.dtypes.float0)
-  return (dshards, dsinks, (error, seed), *dargs)
+  return (shard_cotangents(meta), dsinks, (error, seed), *dargs)
 
 
 _sharded_call.defvjp(_sharded_fwd, _sharded_bwd)
