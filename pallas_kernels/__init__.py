@@ -1,7 +1,9 @@
 """Quantization kernels behind `zerojax.quantization`: Pallas (`block_quant`) and Triton.
 
-`block_quant` imports on any machine (its kernels run in the Pallas interpreter on CPU);
-`triton_block_quant` imports on any machine too, but its kernels need a CUDA GPU and jax-triton.
+Both import on any machine. Their kernels are chosen by the platform a program is lowered for
+(`per_platform`): `block_quant`'s run in the Pallas interpreter when lowered for the CPU and compile
+through Triton when lowered for CUDA (also from a CPU host, for compile-only GPUs);
+`triton_block_quant`'s need jax-triton and lower only for CUDA.
 
 References:
   ZeRO++: Wang et al. 2023, §4.2 (CUDA kernels and their fusion).

@@ -1,5 +1,8 @@
 """Pallas kernels for block-wise quantization (interpreted on CPU, compiled through Triton on GPU).
 
+Which of the two is chosen by the platform the program is lowered for (`per_platform.choose`), not
+by the host's default device: a program compiled on a CPU host for GPUs gets Triton kernels.
+
 Every kernel works on a tile of R blocks, i.e. a [R, B] slice of the [M, B] view of the data, and
 repeats the reference arithmetic of `zerojax.quantization` operation for operation so that results
 agree bit for bit: scale = absmax / qmax (rounded up to 17 significant bits),
@@ -27,17 +30,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import hadamard
+from pallas_kernels import per_platform
 
 # Elements per grid step: in interpret mode as many as memory allows (each step is an iteration of
 # an XLA while loop that carries whole buffers; one step compiles to ordinary fused XLA), a
 # Triton-sized tile when compiled.
 _INTERPRET_TILE = 1 << 22
 _GPU_TILE = 1 << 12
-
-
-def interpret_mode() -> bool:
-  """True when kernels must run in the Pallas interpreter (the default device is the CPU)."""
-  return jax.default_backend() == "cpu"
 
 
 def _qmax(bits: int) -> float:
@@ -204,23 +203,13 @@ def _rows_per_tile(m: int, block: int, interpret: bool) -> int:
   return best
 
 
-def _setup(block: int, *arrays):
-  """(interpret, ops, manual-axis type for outputs); checks what the compiled path needs."""
-  interpret = interpret_mode()
-  if not interpret and block & (block - 1):
-    raise ValueError(f"block={block}: the compiled Pallas kernels need a power-of-two block")
-  mats = [jax.typeof(a).manual_axis_type for a in arrays]
-  mat = max(mats, key=lambda t: len(t.varying))
-  if interpret and mat.varying:
-    raise NotImplementedError(
-        "the Pallas interpreter cannot run inside jax.shard_map(check_vma=True) on this jax"
-        " version (it drops the manual-axis types of the kernel's blocks); use check_vma=False,"
-        " as zerojax's executor does, or backend='xla'")
-  return interpret, _Ops(gpu=not interpret), mat
+def _mat(*arrays):
+  """The manual-axis type of the kernel's outputs: that of its most varying input."""
+  return max((jax.typeof(a).manual_axis_type for a in arrays), key=lambda t: len(t.varying))
 
 
-def _launch(kernel, *args, interpret, name, **specs):
-  """pallas_call in interpret mode on CPU, through the Triton lowering on GPU.
+def _pallas(kernel, interpret: bool, name: str, **specs):
+  """pallas_call in interpret mode, or through the Triton lowering.
 
   Pallas' default GPU lowering is Mosaic GPU; Triton compiler params select the Triton one.
   """
@@ -228,8 +217,26 @@ def _launch(kernel, *args, interpret, name, **specs):
   if not interpret:
     from jax.experimental.pallas import triton as pltriton
     params = pltriton.CompilerParams(num_warps=4, num_stages=1)
-  return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, name=name,
-                        **specs)(*args)
+  return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, name=name, **specs)
+
+
+def _run(launch, args, *, block: int, mat):
+  """The kernel for the platform the program is lowered for: `launch(interpret)` is a pallas_call
+  (with its tiles and arithmetic for that mode), interpreted on cpu, compiled through Triton on
+  cuda; where one cannot be built, lowering there raises an error naming the fix."""
+  if mat.varying:
+    cpu = per_platform.Refusal(
+        "the Pallas interpreter cannot run inside jax.shard_map(check_vma=True) on this jax"
+        " version (it drops the manual-axis types of the kernel's blocks); use check_vma=False,"
+        " as zerojax's executor does, or backend='xla'")
+  else:
+    cpu = launch(True)
+  if block & (block - 1):
+    cuda = per_platform.Refusal(
+        f"block={block}: the compiled Pallas kernels need a power-of-two block", ValueError)
+  else:
+    cuda = launch(False)
+  return per_platform.choose(*args, cpu=cpu, cuda=cuda, like=launch(True))
 
 
 def _out(shape, dtype, mat):
@@ -270,16 +277,19 @@ def quantize_rows(x_MxB: jax.Array, bits: int, rotate: bool = False,
 
   `rotate`: each row times the Hadamard matrix first; `noise` [M, B]: stochastic rounding."""
   m, b = x_MxB.shape
-  interpret, ops, mat = _setup(b, x_MxB)
-  r = _rows_per_tile(m, b, interpret)
+  args = [x_MxB] + ([noise] if noise is not None else [])
+  mat = _mat(*args)
   bp = _packed(b, bits)
-  noisy = noise is not None
-  return _launch(
-      functools.partial(_quantize_kernel, bits=bits, ops=ops, rotate=rotate, noisy=noisy),
-      x_MxB, *([noise] if noisy else []),
-      out_shape=(_out((m, bp), _value_dtype(bits), mat), _out((m,), jnp.float32, mat)),
-      grid=(m // r,), in_specs=[_tiles(r, b)] * (2 if noisy else 1), out_specs=(_tiles(r, bp), _rows(r)),
-      interpret=interpret, name="zerojax_quantize")
+  out = (_out((m, bp), _value_dtype(bits), mat), _out((m,), jnp.float32, mat))
+
+  def launch(interpret):
+    r = _rows_per_tile(m, b, interpret)
+    kernel = functools.partial(_quantize_kernel, bits=bits, ops=_Ops(gpu=not interpret),
+                               rotate=rotate, noisy=len(args) == 2)
+    return _pallas(kernel, interpret, "zerojax_quantize", out_shape=out, grid=(m // r,),
+                   in_specs=[_tiles(r, b)] * len(args), out_specs=(_tiles(r, bp), _rows(r)))
+
+  return _run(launch, args, block=b, mat=mat)
 
 
 def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int, rotate: bool = False,
@@ -292,21 +302,25 @@ def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int, rotate: bool =
   """
   n, g, s, c = x_NxGxSxC.shape
   nb = c // block
-  interpret, ops, mat = _setup(block, x_NxGxSxC)
-  r = _rows_per_tile(nb, block, interpret)
   bp = _packed(block, bits)
   sq = pl.squeezed
-  noisy = noise is not None
-  inputs = [a.reshape(n, g, s, nb, block) for a in ([x_NxGxSxC] + ([noise] if noisy else []))]
-  v, sc = _launch(
-      functools.partial(_quantize_kernel, bits=bits, ops=ops, rotate=rotate, noisy=noisy), *inputs,
-      out_shape=(_out((s, g, n, nb, bp), _value_dtype(bits), mat),
-                 _out((s, g, n, nb), jnp.float32, mat)),
-      grid=(s, g, n, nb // r),
-      in_specs=[pl.BlockSpec((sq, sq, sq, r, block), lambda si, gi, ni, j: (ni, gi, si, j, 0))] * len(inputs),
-      out_specs=(pl.BlockSpec((sq, sq, sq, r, bp), lambda si, gi, ni, j: (si, gi, ni, j, 0)),
-                 pl.BlockSpec((sq, sq, sq, r), lambda si, gi, ni, j: (si, gi, ni, j))),
-      interpret=interpret, name="zerojax_reorder_quantize")
+  args = [a.reshape(n, g, s, nb, block)
+          for a in [x_NxGxSxC] + ([noise] if noise is not None else [])]
+  mat = _mat(*args)
+  out = (_out((s, g, n, nb, bp), _value_dtype(bits), mat), _out((s, g, n, nb), jnp.float32, mat))
+
+  def launch(interpret):
+    r = _rows_per_tile(nb, block, interpret)
+    kernel = functools.partial(_quantize_kernel, bits=bits, ops=_Ops(gpu=not interpret),
+                               rotate=rotate, noisy=len(args) == 2)
+    return _pallas(
+        kernel, interpret, "zerojax_reorder_quantize", out_shape=out, grid=(s, g, n, nb // r),
+        in_specs=[pl.BlockSpec((sq, sq, sq, r, block),
+                               lambda si, gi, ni, j: (ni, gi, si, j, 0))] * len(args),
+        out_specs=(pl.BlockSpec((sq, sq, sq, r, bp), lambda si, gi, ni, j: (si, gi, ni, j, 0)),
+                   pl.BlockSpec((sq, sq, sq, r), lambda si, gi, ni, j: (si, gi, ni, j))))
+
+  v, sc = _run(launch, args, block=block, mat=mat)
   return v.reshape(s, g, n, nb * bp), sc
 
 
@@ -314,13 +328,17 @@ def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype, rotate:
   """[M, Bp] values, [M] scales -> [M, B] in `dtype` (rotated back with `rotate`)."""
   m, bp = v_MxBp.shape
   b = bp if bits == 8 else 2 * bp
-  interpret, _, mat = _setup(b, v_MxBp, s_M)
-  r = _rows_per_tile(m, b, interpret)
-  return _launch(
-      functools.partial(_dequantize_kernel, bits=bits, rotate=rotate), v_MxBp, s_M.astype(jnp.float32),
-      out_shape=_out((m, b), dtype, mat), grid=(m // r,),
-      in_specs=[_tiles(r, bp), _rows(r)], out_specs=_tiles(r, b),
-      interpret=interpret, name="zerojax_dequantize")
+  args = [v_MxBp, s_M.astype(jnp.float32)]
+  mat = _mat(*args)
+  out = _out((m, b), dtype, mat)
+
+  def launch(interpret):
+    r = _rows_per_tile(m, b, interpret)
+    return _pallas(functools.partial(_dequantize_kernel, bits=bits, rotate=rotate), interpret,
+                   "zerojax_dequantize", out_shape=out, grid=(m // r,),
+                   in_specs=[_tiles(r, bp), _rows(r)], out_specs=_tiles(r, b))
+
+  return _run(launch, args, block=b, mat=mat)
 
 
 def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, out_bits: int,
@@ -329,18 +347,21 @@ def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, 
   `noise` [M, B]: stochastic rounding of the sum."""
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
-  interpret, ops, mat = _setup(b, v_KxMxBp, s_KxM)
-  r = _rows_per_tile(m, b * k, interpret)
   obp = _packed(b, out_bits)
-  s_KxM = s_KxM.astype(jnp.float32)
   noisy = noise is not None
-  return _launch(
-      functools.partial(_dequant_sum_quantize_kernel, bits=bits, out_bits=out_bits, ops=ops, noisy=noisy),
-      *[v_KxMxBp] * k, *[s_KxM] * k, *([noise] if noisy else []),
-      out_shape=(_out((m, obp), _value_dtype(out_bits), mat), _out((m,), jnp.float32, mat)),
-      grid=(m // r,), in_specs=_slab_specs(k, r, bp) + ([_tiles(r, b)] if noisy else []),
-      out_specs=(_tiles(r, obp), _rows(r)),
-      interpret=interpret, name="zerojax_dequant_sum_quantize")
+  args = [v_KxMxBp] * k + [s_KxM.astype(jnp.float32)] * k + ([noise] if noisy else [])
+  mat = _mat(*args)
+  out = (_out((m, obp), _value_dtype(out_bits), mat), _out((m,), jnp.float32, mat))
+
+  def launch(interpret):
+    r = _rows_per_tile(m, b * k, interpret)
+    kernel = functools.partial(_dequant_sum_quantize_kernel, bits=bits, out_bits=out_bits,
+                               ops=_Ops(gpu=not interpret), noisy=noisy)
+    return _pallas(kernel, interpret, "zerojax_dequant_sum_quantize", out_shape=out,
+                   grid=(m // r,), in_specs=_slab_specs(k, r, bp) + ([_tiles(r, b)] if noisy else []),
+                   out_specs=(_tiles(r, obp), _rows(r)))
+
+  return _run(launch, args, block=b, mat=mat)
 
 
 def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype, rotate: bool = False) -> jax.Array:
@@ -348,11 +369,14 @@ def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype, ro
   `dtype`: [M, B]."""
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
-  interpret, _, mat = _setup(b, v_KxMxBp, s_KxM)
-  r = _rows_per_tile(m, b * k, interpret)
-  s_KxM = s_KxM.astype(jnp.float32)
-  return _launch(
-      functools.partial(_dequant_sum_kernel, bits=bits, rotate=rotate), *[v_KxMxBp] * k, *[s_KxM] * k,
-      out_shape=_out((m, b), dtype, mat), grid=(m // r,),
-      in_specs=_slab_specs(k, r, bp), out_specs=_tiles(r, b),
-      interpret=interpret, name="zerojax_dequant_sum")
+  args = [v_KxMxBp] * k + [s_KxM.astype(jnp.float32)] * k
+  mat = _mat(*args)
+  out = _out((m, b), dtype, mat)
+
+  def launch(interpret):
+    r = _rows_per_tile(m, b * k, interpret)
+    return _pallas(functools.partial(_dequant_sum_kernel, bits=bits, rotate=rotate), interpret,
+                   "zerojax_dequant_sum", out_shape=out, grid=(m // r,),
+                   in_specs=_slab_specs(k, r, bp), out_specs=_tiles(r, b))
+
+  return _run(launch, args, block=b, mat=mat)

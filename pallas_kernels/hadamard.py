@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def check_block(block: int) -> None:
@@ -34,13 +35,17 @@ def scales(block: int) -> tuple[float, float]:
 
 
 def _lane_fwht(x: jax.Array) -> jax.Array:
-  """Unnormalised Walsh–Hadamard transform along the last axis of [R, L] (L a power of two)."""
+  """Unnormalised Walsh–Hadamard transform along the last axis of [R, L] (L a power of two).
+
+  Stage h pairs element i with i + h inside each group of 2h: an equal split of the group, then the
+  sums and differences interleaved back (stack on a new last axis and a transpose), which are the
+  data movements Pallas' Triton lowering supports (it has no slicing).
+  """
   r, n = x.shape
   h = 1
   while h < n:
-    y = x.reshape(r, n // (2 * h), 2, h)
-    a, b = y[:, :, 0, :], y[:, :, 1, :]
-    x = jnp.stack([a + b, a - b], axis=2).reshape(r, n)
+    a, b = lax.split(x.reshape(r, n // (2 * h), 2 * h), (h, h), axis=2)
+    x = jnp.swapaxes(jnp.stack([a + b, a - b], axis=-1), 2, 3).reshape(r, n)
     h *= 2
   return x
 

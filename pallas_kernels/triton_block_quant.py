@@ -1,4 +1,4 @@
-"""Triton kernels for block-wise quantization, called through jax-triton (GPU only).
+"""Triton kernels for block-wise quantization, called through jax-triton (CUDA GPUs only).
 
 The same operations and the same arithmetic as `pallas_kernels.block_quant` and the reference in
 `zerojax.quantization`: scale = absmax / qmax (`div_rn`) rounded up to 17 significant bits,
@@ -7,8 +7,18 @@ handles ROWS blocks of B elements; int4 tiles are handled as even/odd lanes (the
 The reordering of qgZ is a row map: output row (s, g, n, j) reads input row (n, g, s, j), so the
 fused kernel costs what a plain quantization of contiguous data costs.
 
-`triton` and `jax_triton` exist only on GPU machines: they are imported inside functions, and
-`require_gpu` raises a clear error elsewhere.
+`triton` and `jax_triton` are optional (zerojax[gpu]): they are imported inside functions, and
+`require_jax_triton` raises a clear error where they are missing. The kernels lower for the platform
+the program is lowered for (`per_platform.choose`), so a CPU host compiles them for compile-only GPUs:
+lowered for the CPU they raise. Lowering needs two facts about the target that jax-triton would
+otherwise ask a local GPU for:
+- its compute capability: $ZEROJAX_TRITON_COMPUTE_CAPABILITY (90 for H100, 80 for A100), else that of
+  the first local CUDA device;
+- the PTX version, which Triton sizes from the ptxas it finds: the PTX must be accepted by the CUDA 12
+  ptxas that jaxlib assembles it with at run time, so Triton is pointed at that ptxas (the
+  nvidia-cuda-nvcc-cu12 wheel's, else the one on PATH) unless TRITON_PTXAS_PATH /
+  TRITON_PTXAS_BLACKWELL_PATH are set. (Triton 3.9's own ptxas for sm_90+ is CUDA 13's, which makes
+  it emit PTX `.version 9.x`; CUDA 12's ptxas rejects that.)
 
 References:
   ZeRO++: Wang et al. 2023, §4.2 (vectorized quantization kernels; reorder+quantize fusion;
@@ -18,9 +28,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import per_platform
+
+CC_ENV = "ZEROJAX_TRITON_COMPUTE_CAPABILITY"
+PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
 
 _TILE = 1 << 12
 
@@ -29,12 +47,8 @@ tl = libdevice = None
 _abs_or_inf = _scale = _codes = _load_lane = _store_lane = _store_codes = None
 
 
-def require_gpu() -> None:
-  """Raises unless a CUDA GPU and jax-triton are available."""
-  if jax.default_backend() != "gpu":
-    raise RuntimeError(
-        "backend='triton' needs a CUDA GPU (jax-triton), but the default JAX backend is "
-        f"{jax.default_backend()!r}; use backend='xla' or 'pallas'")
+def require_jax_triton() -> None:
+  """Raises unless jax-triton and triton import (no GPU is needed to lower the kernels)."""
   try:
     import jax_triton  # noqa: F401
     import triton  # noqa: F401
@@ -42,6 +56,69 @@ def require_gpu() -> None:
     raise RuntimeError(
         f"backend='triton' needs the jax-triton package ({e}); install zerojax[gpu], or use "
         "backend='xla' or 'pallas'") from e
+
+
+def compute_capability() -> int | None:
+  """The target GPU's compute capability as jax-triton counts it (90 = sm_90): $ZEROJAX_TRITON_
+  COMPUTE_CAPABILITY, else the first local CUDA device's, else None (unknown)."""
+  env = os.environ.get(CC_ENV, "").strip()
+  if env:
+    if not env.isdigit():
+      raise ValueError(f"{CC_ENV}={env!r}; expected an integer such as 90 (H100) or 80 (A100)")
+    return int(env)
+  if jax.default_backend() != "gpu":
+    return None
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  if cc is None:
+    return None
+  major, minor = str(cc).split(".")
+  return 10 * int(major) + int(minor)
+
+
+def runtime_ptxas() -> str | None:
+  """The CUDA 12 ptxas that assembles the kernels' PTX at run time: the nvidia-cuda-nvcc-cu12
+  wheel's (what jax[cuda12] installs), else the one on PATH."""
+  try:
+    import nvidia.cuda_nvcc
+    for root in nvidia.cuda_nvcc.__path__:
+      path = pathlib.Path(root) / "bin" / "ptxas"
+      if path.is_file():
+        return str(path)
+  except ImportError:
+    pass
+  return shutil.which("ptxas")
+
+
+def configure_ptxas() -> None:
+  """Points Triton at `runtime_ptxas()` (for every arch), unless TRITON_PTXAS_PATH or
+  TRITON_PTXAS_BLACKWELL_PATH is set; raises where there is none."""
+  if any(os.environ.get(k) for k in PTXAS_ENV):
+    return
+  path = runtime_ptxas()
+  if path is None:
+    raise RuntimeError(
+        "backend='triton' needs CUDA 12's ptxas to size the kernels' PTX for the runtime: "
+        "pip install nvidia-cuda-nvcc-cu12, or set TRITON_PTXAS_BLACKWELL_PATH and TRITON_PTXAS_PATH")
+  for k in PTXAS_ENV:
+    os.environ[k] = path
+
+
+def _launch(kernel, args, *, out, grid, **meta):
+  """The kernel for the platform the program is lowered for: through jax-triton on cuda (with the
+  target's compute capability), refused elsewhere."""
+  cc = compute_capability()
+  cpu = per_platform.Refusal(
+      "backend='triton' compiles only for CUDA GPUs, and this program is lowered for {platform};"
+      " use backend='xla' or 'pallas'", RuntimeError)
+  if cc is None:
+    cuda = per_platform.Refusal(
+        "backend='triton' lowers its kernels for the target GPU's compute capability, and no CUDA"
+        f" device is here to ask: set {CC_ENV}=90 (H100) or 80 (A100)", RuntimeError)
+  else:
+    configure_ptxas()
+    cuda = lambda *a: _call(kernel, *a, out=out, grid=grid, compute_capability=cc, **meta)
+  like = lambda *a: _call(kernel, *a, out=out, grid=grid, **meta)
+  return per_platform.choose(*args, cpu=cpu, cuda=cuda, like=like)
 
 
 @functools.cache
@@ -205,19 +282,17 @@ def _packed(b, bits):
 
 def quantize_rows(x_MxB: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
   """[M, B] -> (values [M, Bp], scales [M]); see `pallas_kernels.block_quant.quantize_rows`."""
-  require_gpu()
   m, b = x_MxB.shape
   r = _rows(m, b)
   quantize, _ = _kernels()
   out = (jax.ShapeDtypeStruct((m, _packed(b, bits)), _vdtype(bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  return _call(quantize, x_MxB, out=out, grid=(m // r,), N=1, G=1, S=1, NB=m, ROWS=r, B=b,
+  return _launch(quantize, [x_MxB], out=out, grid=(m // r,), N=1, G=1, S=1, NB=m, ROWS=r, B=b,
                BITS=bits)
 
 
 def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
   """[N, G, S, C] -> values [S, G, N, Cp], scales [S, G, N, C / block]."""
-  require_gpu()
   n, g, s, c = x_NxGxSxC.shape
   nb = c // block
   r = _rows(nb, block)
@@ -225,20 +300,19 @@ def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int) -> tuple[jax.A
   m = n * g * s * nb
   out = (jax.ShapeDtypeStruct((m, _packed(block, bits)), _vdtype(bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  v, sc = _call(quantize, x_NxGxSxC.reshape(m, block), out=out, grid=(m // r,), N=n, G=g, S=s,
+  v, sc = _launch(quantize, [x_NxGxSxC.reshape(m, block)], out=out, grid=(m // r,), N=n, G=g, S=s,
                 NB=nb, ROWS=r, B=block, BITS=bits)
   return v.reshape(s, g, n, nb * _packed(block, bits)), sc.reshape(s, g, n, nb)
 
 
 def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype) -> jax.Array:
   """[M, Bp], [M] -> [M, B] in `dtype`."""
-  require_gpu()
   m, bp = v_MxBp.shape
   b = bp if bits == 8 else 2 * bp
   r = _rows(m, b)
   _, dequant_sum = _kernels()
   out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
-  y, _ = _call(dequant_sum, v_MxBp, s_M.astype(jnp.float32), out=out, grid=(m // r,), K=1, M=m,
+  y, _ = _launch(dequant_sum, [v_MxBp, s_M.astype(jnp.float32)], out=out, grid=(m // r,), K=1, M=m,
                ROWS=r, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
   return y
 
@@ -246,25 +320,23 @@ def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype) -> jax.
 def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int,
                               out_bits: int) -> tuple[jax.Array, jax.Array]:
   """[K, M, Bp], [K, M] -> requantized sum (values [M, Bp'], scales [M])."""
-  require_gpu()
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
   r = _rows(m, b)
   _, dequant_sum = _kernels()
   out = (jax.ShapeDtypeStruct((m, _packed(b, out_bits)), _vdtype(out_bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  return _call(dequant_sum, v_KxMxBp, s_KxM.astype(jnp.float32), out=out, grid=(m // r,), K=k,
+  return _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out, grid=(m // r,), K=k,
                M=m, ROWS=r, B=b, BITS=bits, OUT_BITS=out_bits, REQUANT=1)
 
 
 def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype) -> jax.Array:
   """[K, M, Bp], [K, M] -> fp32 sum cast to `dtype`: [M, B]."""
-  require_gpu()
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
   r = _rows(m, b)
   _, dequant_sum = _kernels()
   out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
-  y, _ = _call(dequant_sum, v_KxMxBp, s_KxM.astype(jnp.float32), out=out, grid=(m // r,), K=k,
+  y, _ = _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out, grid=(m // r,), K=k,
                M=m, ROWS=r, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
   return y

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import zerojax
 from zerojax.models.gpt import GPTConfig, gpt
@@ -115,3 +116,14 @@ def free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def sweep(points, fast):
+  """A parameter sweep for `pytest.mark.parametrize` whose points outside `fast` are marked `slow`: the fast
+  suite runs the representative points, `pytest -m ''` the whole sweep. A point that is a tuple fills
+  several argument names."""
+  fast = list(fast)
+  unknown = [p for p in fast if p not in points]
+  assert not unknown, f"fast points {unknown} are not in the sweep"
+  as_param = lambda p, marks=(): pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=marks)
+  return [as_param(p) if p in fast else as_param(p, pytest.mark.slow) for p in points]

@@ -224,6 +224,7 @@ def uninterrupted(tmp_path_factory):
   return recs
 
 
+@pytest.mark.e2e
 def test_sigkill_and_sigterm_then_restart_are_bitwise_identical(uninterrupted, tmp_path):
   """SIGKILL between checkpoints loses only the steps since the last one; SIGTERM saves the current step
   and exits with 143. Every restart continues with exactly the losses of a run never interrupted."""

@@ -51,6 +51,7 @@ def test_resnet_matches_unsharded_apply(mesh):
   assert helpers.max_rel_diff(got["batch_stats"], want["batch_stats"]) < 1e-5
 
 
+@pytest.mark.slow  # 40-50 steps each; the examples' exactness against the unsharded apply is in the fast suite
 @pytest.mark.parametrize("example", ["lm1b", "resnet"])
 def test_examples_train_with_zeropp(example):
   """A short run of each example as written (the ZeRO++ plan of configs/zeropp.gin): the loss falls."""

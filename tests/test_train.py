@@ -1,16 +1,15 @@
 """train.py end to end: gin configs, metrics files, one-line errors, device counts, non-finite handling."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.train_helpers import ROOT, error_line, train
+from tests.train_helpers import command, error_line, error_line_of, run_main, train
 
 
-@pytest.mark.parametrize("gin_file", ["configs/mics.gin", "configs/zeropp.gin"])
+@pytest.mark.parametrize("gin_file", [pytest.param("configs/mics.gin", marks=pytest.mark.e2e), "configs/zeropp.gin"])
 def test_train_writes_metrics_and_loss_falls(tmp_path, gin_file):
+  """The fast suite's smoke test of train.py as a user runs it (a subprocess); MiCS in the full suite."""
   r = train(tmp_path, "train.steps=10", "make_optimizer.learning_rate=1e-2", "make_optimizer.warmup_steps=2",
             gin_file=gin_file)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -33,27 +32,27 @@ def test_train_writes_metrics_and_loss_falls(tmp_path, gin_file):
     ([], ["--gin_file=configs/zero4.gin"], "--gin_file 'configs/zero4.gin' does not exist (looked in"),
     ([], ["--allow_changed=model_config.d_model"], "--allow_changed=model_config.d_model: the model"),
 ])
-def test_config_and_data_errors_are_one_line(tmp_path, params, extra, expect):
+def test_config_and_data_errors_are_one_line(tmp_path, capsys, monkeypatch, params, extra, expect):
   gin_file = None if any(e.startswith("--gin_file") for e in extra) else "configs/zeropp.gin"
-  r = train(tmp_path, *params, gin_file=gin_file, extra=extra)
-  assert r.returncode == 2 and expect in error_line(r)
+  argv = command(tmp_path, *params, gin_file=gin_file, extra=extra)[2:]
+  code, _, err = run_main(argv, capsys, monkeypatch)
+  assert code == 2 and expect in error_line_of(err)
 
 
-def test_no_config_and_verbose(tmp_path):
-  r = train(tmp_path, gin_file=None)
-  assert r.returncode == 2 and "no --gin_file given; pass a config, e.g. --gin_file=configs/zero3.gin" in error_line(r)
-  r = train(tmp_path, "train.stepz=3", extra=["--verbose"])
-  assert r.returncode == 2 and "Traceback" in r.stderr and "zerojax: error: --gin_param 'train.stepz=3'" in r.stderr
+def test_no_config_and_verbose(tmp_path, capsys, monkeypatch):
+  code, _, err = run_main(command(tmp_path, gin_file=None)[2:], capsys, monkeypatch)
+  assert code == 2 and "no --gin_file given; pass a config, e.g. --gin_file=configs/zero3.gin" in error_line_of(err)
+  code, _, err = run_main(command(tmp_path, "train.stepz=3", extra=["--verbose"])[2:], capsys, monkeypatch)
+  assert code == 2 and "Traceback" in err and "zerojax: error: --gin_param 'train.stepz=3'" in err
 
 
-def test_help_lists_the_gin_parameters(tmp_path):
-  r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], cwd=tmp_path, capture_output=True,
-                     text=True, timeout=120)
-  assert r.returncode == 0, r.stderr
+def test_help_lists_the_gin_parameters(tmp_path, capsys, monkeypatch):
+  code, out, _ = run_main(["--help"], capsys, monkeypatch)
+  assert code == 0
   for line in ["train.steps = 200", "train.plan = REQUIRED", "model_config.d_model = 128",
                "make_optimizer.learning_rate = 0.003", "zeropp.weight_bits = 8", "PLAN.reduce_dtype = 'float32'",
                "train.param_dtype = None"]:
-    assert line in r.stdout, line
+    assert line in out, line
 
 
 @pytest.mark.parametrize("env,extra,devices", [
@@ -62,6 +61,7 @@ def test_help_lists_the_gin_parameters(tmp_path):
     ({"JAX_NUM_CPU_DEVICES": "4"}, ["--devices=2"], "2 CPU devices per process (--devices)"),
     ({}, [], "8 CPU devices per process (the default"),
 ])
+@pytest.mark.e2e  # a fresh process is the point: the device count is fixed when JAX starts
 def test_device_count_comes_from_the_flag_else_the_environment_else_8(tmp_path, env, extra, devices):
   """Stops at the batch check (a batch of 5 fits no mesh here), after the devices are set up."""
   base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
@@ -71,6 +71,7 @@ def test_device_count_comes_from_the_flag_else_the_environment_else_8(tmp_path, 
   assert r.returncode == 2 and f"not divisible by the {n} devices" in error_line(r)
 
 
+@pytest.mark.e2e
 def test_non_finite_steps_are_skipped_then_stop(tmp_path):
   r = train(tmp_path, "train.steps=20", "make_optimizer.learning_rate=1e30", "make_optimizer.clip_norm=None",
             "make_optimizer.warmup_steps=1", "train.max_consecutive_skips=3")

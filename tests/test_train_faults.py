@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.train_helpers import error_line, saved_steps, steps_of, train
+from tests.train_helpers import command, error_line, error_line_of, run_main, saved_steps, steps_of, train
 
 
 def losses(workdir) -> dict:
@@ -17,6 +17,7 @@ def losses(workdir) -> dict:
     return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
+@pytest.mark.e2e
 def test_damaged_latest_checkpoint_is_skipped_with_a_warning(tmp_path):
   params = ["train.steps=8", "train.checkpoint_every=4", "train.eval_every=0"]
   r = train(tmp_path, *params)
@@ -41,6 +42,7 @@ LIMIT_FILE_SIZE = [sys.executable, "-c", "import os, resource, sys; resource.set
                    "(64_000, 64_000)); os.execv(sys.argv[1], sys.argv[1:])"]
 
 
+@pytest.mark.e2e
 def test_failed_save_keeps_the_previous_checkpoint_and_says_so_in_one_line(tmp_path):
   r = train(tmp_path, "train.steps=4")
   assert r.returncode == 0 and saved_steps(tmp_path) == [4], r.stderr[-3000:]
@@ -61,6 +63,7 @@ def _chattr(flag, path) -> bool:
       ["chattr", flag, str(path)], capture_output=True).returncode == 0
 
 
+@pytest.mark.e2e
 def test_read_only_checkpoint_folder_during_a_save(tmp_path):
   """`chmod` does not stop root; an immutable folder (`chattr +i`) stops every user from writing in it."""
   r = train(tmp_path, "train.steps=4")
@@ -77,13 +80,14 @@ def test_read_only_checkpoint_folder_during_a_save(tmp_path):
   assert saved_steps(tmp_path) == [4] and steps_of(tmp_path) == list(range(1, 9))  # the rerun resumes from 4
 
 
-def test_workdir_under_a_file_is_a_one_line_error(tmp_path):
+def test_workdir_under_a_file_is_a_one_line_error(tmp_path, capsys, monkeypatch):
   (tmp_path / "file").write_text("not a folder")
-  r = train(tmp_path / "file" / "run", "train.steps=1")
-  line = error_line(r)
-  assert r.returncode == 2 and f"{tmp_path}/file/run" in line and "use a --workdir you can write to" in line
+  code, _, err = run_main(command(tmp_path / "file" / "run", "train.steps=1")[2:], capsys, monkeypatch)
+  line = error_line_of(err)
+  assert code == 2 and f"{tmp_path}/file/run" in line and "use a --workdir you can write to" in line
 
 
+@pytest.mark.e2e
 def test_runs_from_another_directory_with_includes_next_to_the_config(tmp_path):
   """The repository's config (which includes 'configs/base.gin') named relative to the repository, and a
   user's config elsewhere whose include is relative to its own folder, from a third directory."""

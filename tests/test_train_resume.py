@@ -9,9 +9,12 @@ import struct
 import subprocess
 import time
 
+import pytest
+
 from tests.train_helpers import ROOT, clean_env, command, error_line, saved_steps, steps_of, train
 
 STEPS = 60
+pytestmark = pytest.mark.e2e  # each test runs train.py and stops it with a signal
 
 
 def start(workdir, *params, out_dir):

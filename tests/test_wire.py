@@ -4,8 +4,8 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
+import gin
 import jax
 import pytest
 
@@ -216,16 +216,20 @@ def test_mics_stays_inside_the_node_and_syncs_once_per_window():
   assert crossing == sync
 
 
-def test_cli_accounts_a_gin_config(tmp_path):
+def test_cli_accounts_a_gin_config(tmp_path, capsys, monkeypatch):
+  """`python -m zerojax.cli.account ...`, called in this process (`main(argv)`)."""
+  from zerojax.cli import account
   hlo = tmp_path / "step.hlo"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run(
-      [sys.executable, "-m", "zerojax.cli.account", "--json", "--gin_file", "configs/zeropp.gin", "--mesh", "2x4",
-       "--gin_param", "model_config.num_layers=1", "--gin_param", "model_config.d_model=32",
-       "--gin_param", "model_config.seq_len=16", "--gin_param", "train.batch_size=8",
-       "--dump_hlo", str(hlo)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  report = json.loads(out.stdout)
+  monkeypatch.chdir(ROOT)
+  gin.clear_config()
+  try:
+    account.main(["--json", "--gin_file", "configs/zeropp.gin", "--mesh", "2x4",
+                  "--gin_param", "model_config.num_layers=1", "--gin_param", "model_config.d_model=32",
+                  "--gin_param", "model_config.seq_len=16", "--gin_param", "train.batch_size=8",
+                  "--dump_hlo", str(hlo)])
+  finally:
+    gin.clear_config()
+  report = json.loads(capsys.readouterr().out)
   assert report["config"]["plan"] == "zeropp" and report["config"]["mesh"] == {"node": 2, "gpu": 4}
   assert set(report["table1"]) == {*analysis.TABLE1_ROLES, "total"}
   assert report["table1"]["backward all-gather"]["node_egress_bytes"] == 0

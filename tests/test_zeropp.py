@@ -20,6 +20,12 @@ def shmap(f, mesh, in_specs, out_specs):
 
 
 
+@functools.cache
+def zero3_run(opt_kind):
+  """ZeRO-3's 3 steps on 2 x 4 (fp32 params), the reference of several tests: computed once per optimizer."""
+  return run(plans.zero3(param_dtype="float32"), zerojax.make_mesh(2, 4), helpers.optimizer(opt_kind))
+
+
 def block_absmax(x):
   return np.abs(x.reshape(*x.shape[:-1], -1, BLOCK)).max(-1)
 
@@ -86,7 +92,7 @@ def test_qgz_divides_by_world_size_once():
   quantization: the trained loss trajectory stays next to ZeRO-3's, not D-fold off."""
   mesh = zerojax.make_mesh(2, 4)
   opt = helpers.optimizer("sgd")
-  _, _, _, l3 = run(plans.zero3(param_dtype="float32"), mesh, opt)
+  _, _, _, l3 = zero3_run("sgd")
   _, _, _, lq = run(plans.zeropp(weight_bits=None, secondary_axes=None, grad_bits=8, param_dtype="float32"),
                     mesh, opt)
   np.testing.assert_allclose(lq, l3, rtol=2e-4)
@@ -95,7 +101,7 @@ def test_qgz_divides_by_world_size_once():
 def test_hpz_alone_equals_zero3():
   mesh = zerojax.make_mesh(2, 4)
   opt = helpers.optimizer("adamw")
-  ex3, s3, _, l3 = run(plans.zero3(param_dtype="float32"), mesh, opt)
+  ex3, s3, _, l3 = zero3_run("adamw")
   exh, sh, _, lh = run(plans.zeropp(weight_bits=None, grad_bits=None, param_dtype="float32"), mesh, opt)
   assert lh == l3
   assert helpers.max_rel_diff(exh.logical_params(sh), ex3.logical_params(s3)) < 1e-6
@@ -108,7 +114,7 @@ def test_hpz_alone_equals_zero3():
 def test_quantized_plans_track_zero3(kw):
   mesh = zerojax.make_mesh(2, 4)
   opt = helpers.optimizer("sgd")
-  ex3, s3, init, l3 = run(plans.zero3(param_dtype="float32"), mesh, opt)
+  ex3, s3, init, l3 = zero3_run("sgd")
   exq, sq, _, lq = run(plans.zeropp(param_dtype="float32", **kw), mesh, opt)
   np.testing.assert_allclose(lq, l3, rtol=1e-3)
   moved = helpers.max_rel_diff(ex3.logical_params(s3), init)
@@ -151,7 +157,7 @@ def test_hpz_secondary_groups_smaller_or_larger_than_a_node(group):
   """hpZ groups that divide a node or span whole nodes (the plan names the group's size; the executor
   factors the mesh) train exactly like ZeRO-3, and the backward all-gather runs over exactly the group."""
   opt = helpers.optimizer("sgd")
-  ex3, s3, _, l3 = run(plans.zero3(param_dtype="float32"), zerojax.make_mesh(2, 4), opt)
+  ex3, s3, _, l3 = zero3_run("sgd")
   plan = plans.zeropp(weight_bits=None, grad_bits=None, secondary_axes=group, param_dtype="float32")
   exh, sh, _, lh = run(plan, zerojax.make_mesh(2, 4), opt)
   np.testing.assert_allclose(lh, l3, rtol=1e-6)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import gin
+
 import zerojax
 from zerojax.train.optim import make_optimizer
 from tests import helpers
@@ -105,3 +107,26 @@ def run_train(workdir, sig=None, when=None, **config):
   restored = [int(s) for s in re.findall(r"restored step (\d+) from", out)]
   restored = restored[0] if restored else None
   return proc.returncode, out, [r for r in records(workdir) if r[0] > (restored or 0)], restored
+
+
+def run_main(argv, capsys, monkeypatch):
+  """`train.py ARGV` in this process (`zerojax.cli.train.main`): (exit code, stdout, stderr). For what needs
+  no fresh process: one-line errors, --help. Leaves gin and the process's hooks as they were."""
+  from zerojax.cli.train import main
+  monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # main() quiets it for the process
+  gin.clear_config()
+  try:
+    code = main(argv)
+  except SystemExit as e:  # argparse: --help, usage errors
+    code = e.code
+  finally:
+    gin.clear_config()
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def error_line_of(err: str) -> str:
+  """The one line a failed in-process run printed to stderr."""
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("zerojax: error: ") and "Traceback" not in err, err[-3000:]
+  return lines[0]

@@ -206,14 +206,23 @@ class Executor:
       mutable = jax.jit(self.model.init_state)(rng)
     return jax.jit(self.init_from_flat, out_shardings=self.shardings())(flat, rng, mutable)
 
-  def logical_params(self, state: TrainState):
-    """The master weights in the user's tree and shapes (flax's `params`), without padding."""
-    return self.to_user(layout_lib.to_logical(state.params, self.layout))
+  def logical_params(self, state: TrainState, device=None):
+    """The master weights in the user's tree and shapes (flax's `params`), without padding.
 
-  def logical_variables(self, state: TrainState) -> dict:
+    Placement: with `device=None` each leaf is a global array still laid out over the executor's mesh
+    (as the master weights are), so a program jitted on them is partitioned over the mesh. Pass a
+    `jax.Device` (e.g. `jax.devices()[0]`) or a `jax.sharding.Sharding` to get them there instead, e.g.
+    for evaluation or `save_pretrained` on one device; `jax.device_get` of the result gives numpy arrays.
+    Across several processes every process calls it with `device=None` (see `zerojax.train.export`).
+    """
+    params = self.to_user(layout_lib.to_logical(state.params, self.layout))
+    return params if device is None else _put(params, device)
+
+  def logical_variables(self, state: TrainState, device=None) -> dict:
     """`{"params": logical_params(state), **mutable collections}`: what flax's `apply` takes (copies, so
-    they outlive the state, which the step donates)."""
-    return {"params": self.logical_params(state), **jax.tree.map(jnp.copy, state.mutable or {})}
+    they outlive the state, which the step donates); `device` places them as in `logical_params`."""
+    out = {"params": self.logical_params(state), **jax.tree.map(jnp.copy, state.mutable or {})}
+    return out if device is None else _put(out, device)
 
   def user_layout(self):
     """The `LeafLayout`s in the user's tree (what the optimizer and its states are named by)."""
@@ -453,6 +462,13 @@ class Executor:
     run = jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(self.data_axes), P()),
                                 out_specs=P(), check_vma=False))
     return lambda params, batch, mutable=None: run(params, batch, mutable)
+
+
+def _put(tree, device):
+  """`tree` on one device or under a sharding, for `logical_params(state, device=...)`."""
+  if not isinstance(device, (jax.Device, jax.sharding.Sharding)):
+    raise TypeError(f"device={device!r}: pass a jax.Device (e.g. jax.devices()[0]) or a jax.sharding.Sharding")
+  return jax.device_put(tree, device)
 
 
 def _is_inexact(x) -> bool:

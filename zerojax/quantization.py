@@ -91,7 +91,7 @@ def resolve_backend(backend: str | None) -> str:
     raise ValueError(f"backend={name!r}; expected one of {BACKENDS}")
   if name == "triton":
     from pallas_kernels import triton_block_quant
-    triton_block_quant.require_gpu()
+    triton_block_quant.require_jax_triton()
   return name
 
 

@@ -2,6 +2,9 @@
 
   python train.py --gin_file=configs/zero3.gin --gin_param='train.steps=200' --workdir=DIR
 
+Your own model instead of the GPT: --model=path/to/my_model.py:build, a function
+`build(vocab_size, seq_len)` returning a zerojax.Model whose loss takes [batch, seq_len + 1] byte tokens.
+
 Resumes from the latest checkpoint in DIR/checkpoints; --restore_from=OTHER starts from another run's.
 Ctrl-C or SIGTERM: finish the step, save a checkpoint, exit 130 / 143 (press Ctrl-C twice to exit at
 once). Config, data and checkpoint errors print one line and exit 2 (--verbose: with the traceback).
@@ -43,6 +46,10 @@ def parser(with_parameters: bool = False) -> argparse.ArgumentParser:
   ap.add_argument("--workdir", required=True,
                   help="output folder (metrics.jsonl, summary.json, config.gin, loss.png, tensorboard/, "
                        "checkpoints/)")
+  ap.add_argument("--model", default=None, metavar="FILE.py:FUNCTION",
+                  help="train your own model: a function `FUNCTION(vocab_size, seq_len)` in FILE.py (or "
+                       "package.module:FUNCTION) returning a zerojax.Model whose loss takes [batch, seq_len + 1] "
+                       "int32 byte tokens (sets train.model; default: the built-in GPT)")
   ap.add_argument("--data", default=None, help="text file or folder (default: Python stdlib sources)")
   ap.add_argument("--restore_from", default=None,
                   help="workdir or checkpoint folder to start from when --workdir has no checkpoint yet "
@@ -130,7 +137,13 @@ def _run(args) -> int:
   launcher = any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
   if args.coordinator or launcher:
     _initialize_distributed(args)
-  config_lib.parse(args.gin_file, args.gin_param)
+  bindings = list(args.gin_param)
+  if args.model is not None:
+    from zerojax.train import user_model
+    spec = user_model.absolute(args.model)
+    user_model.load(spec)  # before the configs: its own gin configurables can be bound there
+    bindings.append(f"train.model = {spec!r}")
+  config_lib.parse(args.gin_file, bindings)
   if jax.process_index() == 0 and devices:
     print(f"zerojax: {jax.local_device_count()} CPU devices per process ({devices})", flush=True)
   summary = trainer.train(args.workdir, args.data, restore_from=args.restore_from, allow_changed=allowed)

@@ -26,6 +26,7 @@ import numpy as np
 from flax.core.scope import LazyRng
 
 from zerojax.executor import Model
+from zerojax.models.checks import bound_axes, check_linen_module, check_loss_output, rng_streams
 from zerojax.unit import ShardedUnit, unit
 
 ROOT = "_root"
@@ -196,7 +197,14 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
   Returns:
     The `Model`; `Executor.logical_params` returns the module's `params` tree, and
     `Executor.logical_variables` adds the other collections.
+
+  Raises:
+    TypeError: `module` is no linen Module (e.g. a Hugging Face wrapper: pass its `.module`).
+    ValueError: at wrap time, from a trial initialisation and training step traced with `jax.eval_shape`
+      (`zerojax.models.checks`): the module draws an rng stream not in `rngs`, `loss_fn` returns no
+      scalar loss or `(loss, aux)`, or the module calls a collective over an axis zerojax does not bind.
   """
+  check_linen_module(module)
   units, mutable, rngs = tuple(units), tuple(mutable), tuple(rngs)
   example = jax.tree.map(shape_struct, example_batch)
 
@@ -227,18 +235,8 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
       calls.setdefault(path, jax.tree.map(np.shape, to_dict(m.variables.get("params", {}))))
     return out
 
-  try:
-    with nn.intercept_methods(record):
-      variables, out = jax.eval_shape(init_variables, jax.random.key(0))
-  except NameError as e:  # e.g. BatchNorm(axis_name="batch"), written for pmap
-    raise ValueError(f"the module calls a collective over an axis that is not bound ({e}); zerojax owns the "
-                     "mesh axes for sharding and averages mutable collections (batch_stats) over the "
-                     "data-parallel devices after each step: drop the unit's collective (e.g. BatchNorm's "
-                     "axis_name)") from None
-  has_aux = isinstance(out, (tuple, list))
-  loss_shape = np.shape(out[0] if has_aux else out)
-  if loss_shape != ():
-    raise ValueError(f"loss_fn must return a scalar loss or (loss, aux); its loss has shape {loss_shape}")
+  with nn.intercept_methods(record), rng_streams(rngs), bound_axes():
+    variables = jax.eval_shape(init_variables, jax.random.key(0))[0]
   params = variables.get("params", {})
   paths, scanned = {}, set()
   for path in sorted(calls, key=len):
@@ -279,6 +277,12 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
 
     return loss_fn(apply, batch, rng), state
 
+  # A trial training step on the plain parameters: the rng streams the module draws and the loss's form.
+  state = {c: v for c, v in variables.items() if c != "params"}
+  with rng_streams(rngs), bound_axes():
+    out = jax.eval_shape(lambda p, b, r, s: loss(p, b, r, s)[0], split_user(params, paths), example,
+                         jax.random.key(0), state)
+  has_aux = check_loss_output(out)
   return Model(init=init, loss=loss, scanned=frozenset(scanned), has_aux=has_aux, rng=True,
                init_state=init_state, to_user=lambda t: merge_user(t, paths),
                from_user=lambda t: split_user(t, paths), example_batch=example)

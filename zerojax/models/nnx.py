@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zerojax.executor import Model
+from zerojax.models.checks import check_loss_output, check_nnx_module
 from zerojax.models.linen import (ShardLeaf, merge_user, user_tree, shape_struct, split_user, to_dict,
                                   linen_rngs)
 from zerojax.unit import ShardedUnit, unit
@@ -132,6 +133,7 @@ def from_nnx(module: nnx.Module | Callable[[nnx.Rngs], nnx.Module], example_batc
   Returns:
     The `Model`; `Executor.logical_params` returns `nnx.to_pure_dict` of the module's `nnx.Param` state.
   """
+  check_nnx_module(module)
   units, rngs = tuple(units), tuple(rngs)
   cols = _collections(mutable)
   example = jax.tree.map(shape_struct, example_batch)
@@ -192,7 +194,7 @@ def from_nnx(module: nnx.Module | Callable[[nnx.Rngs], nnx.Module], example_batc
   out = jax.eval_shape(lambda p, s, b, r: loss(p, b, r, s)[0], init(jax.random.key(0)) if not build else
                        jax.eval_shape(init, jax.random.key(0)), init_state(jax.random.key(0)) if not build
                        else jax.eval_shape(init_state, jax.random.key(0)), example, jax.random.key(0))
-  has_aux = isinstance(out, (tuple, list))
+  has_aux = check_loss_output(out)
   return Model(init=init, loss=loss, scanned=frozenset(), has_aux=has_aux, rng=True, init_state=init_state,
                to_user=lambda t: merge_user(t, paths), from_user=lambda t: split_user(t, paths),
                example_batch=example)

@@ -128,7 +128,7 @@ def write(path: str, header: str) -> None:
 # -- the settings a resume keeps -----------------------------------------------------------------------
 
 # Settings that make another model or optimizer state: a checkpoint never continues under other values.
-FIXED = ("model_config.", "make_optimizer.name")
+FIXED = ("model_config.", "train.model", "make_optimizer.name")
 # The schedule depends on these (make_optimizer.total_steps is train.steps).
 SCHEDULE = ("train.steps", "make_optimizer.learning_rate", "make_optimizer.warmup_steps")
 
@@ -140,9 +140,12 @@ def optimizer_settings() -> dict:
   return {f"make_optimizer.{k}": v for k, v in values.items()}
 
 
-def run_settings(model, *, steps: int, batch_size: int, accum_steps: int) -> dict:
-  """The settings recorded in each checkpoint: gin names to JSON values."""
+def run_settings(model, *, steps: int, batch_size: int, accum_steps: int, user_model: str | None = None) -> dict:
+  """The settings recorded in each checkpoint: gin names to JSON values (`train.model` only when set, so
+  checkpoints of the built-in GPT compare as before)."""
   out = {f"model_config.{k}": v for k, v in dataclasses.asdict(model).items()}
+  if user_model is not None:
+    out["train.model"] = user_model
   out.update({"train.steps": steps, "train.batch_size": batch_size, "train.accum_steps": accum_steps})
   out.update(optimizer_settings())
   return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}

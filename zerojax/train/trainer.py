@@ -20,7 +20,7 @@ from zerojax.models.gpt import GPTConfig, gpt
 from zerojax import planner
 from zerojax.plan import Plan, zero3
 from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, data as data_lib
-from zerojax.train import export as export_lib, report
+from zerojax.train import export as export_lib, report, user_model
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
 from zerojax.train.optim import make_optimizer
 from zerojax.train.signals import StopSignal
@@ -76,18 +76,21 @@ def with_precision(plan: Plan, param_dtype: str | None = None, compute_dtype: st
 
 def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
           pad_multiple: int = 256, param_dtype: str | None = None, compute_dtype: str | None = None,
-          batch_size: int = 32) -> Executor:
-  """The executor `train` runs: the gin-configured GPT and optimizer under `plan` on a fresh mesh.
+          batch_size: int = 32, model: str | None = None) -> Executor:
+  """The executor `train` runs: the gin-configured GPT (or the user's `model`) and optimizer under `plan`
+  on a fresh mesh.
 
   Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.cli.account`.
   With `plan = auto()` the AMSP planner picks the plan (`planner_rows` on the executor holds its table).
   """
   if isinstance(plan, planner.Auto):
     return _auto(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
-                 param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size)
+                 param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model)
   plan = with_precision(plan, param_dtype, compute_dtype)
   mesh = make_mesh(num_nodes or default_num_nodes())
-  return Executor(gpt(model_config()), make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
+  cfg = model_config()
+  net = gpt(cfg) if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+  return Executor(net, make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
                   pad_multiple=pad_multiple)
 
 
@@ -112,8 +115,8 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
           eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
           max_consecutive_skips: int = 5, max_data_bytes: int = 64 * 2**20, pad_multiple: int = 256,
           param_dtype: str | None = None, compute_dtype: str | None = None, export: bool = False,
-          progress: bool = True) -> dict:
-  """Trains the GPT model on byte-level text under `plan` and writes metrics to `workdir`.
+          progress: bool = True, model: str | None = None) -> dict:
+  """Trains the GPT model (or your own, `model`) on byte-level text under `plan`; writes metrics to `workdir`.
 
   SIGINT (Ctrl-C) and SIGTERM finish the current step, save a checkpoint and stop (a second signal
   ends the process at once); the summary then says `stopped_by`.
@@ -146,6 +149,10 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     compute_dtype: the run's compute dtype, for every plan (`Plan.compute_dtype`; None keeps the plan's).
     export: write the final logical parameters to `workdir/params.npz`.
     progress: show a progress bar.
+    model: a model of your own instead of the GPT: "path/to/file.py:function" or "package.module:function"
+      (train.py's --model), called as `function(vocab_size=..., seq_len=...)` with model_config's values;
+      it returns a `zerojax.Model` whose loss takes `[batch, seq_len + 1]` int32 byte tokens
+      (`zerojax.train.user_model`).
 
   Returns:
     The summary dict also written to `summary.json`.
@@ -170,15 +177,16 @@ def _finite(x):
 def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, checkpoint_every,
            keep_checkpoints, batch_size, accum_steps, num_nodes, seed, eval_every, eval_batches, log_every,
            max_consecutive_skips, max_data_bytes, pad_multiple, param_dtype, compute_dtype,
-           export, progress) -> dict:
+           export, progress, model) -> dict:
   cfg = model_config()
   allowed = config_lib.check_allowed(allow_changed)
   ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
-             param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size)
+             param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model)
   plan, mesh = ex.plan, ex.mesh
   ex.check_batch((accum_steps, batch_size, cfg.seq_len + 1))  # fail before loading any data
   dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes, seq_len=cfg.seq_len)
-  settings = config_lib.run_settings(cfg, steps=steps, batch_size=batch_size, accum_steps=accum_steps)
+  settings = config_lib.run_settings(cfg, steps=steps, batch_size=batch_size, accum_steps=accum_steps,
+                                     user_model=model)
   check = lambda meta, where: config_lib.check_resume(meta.get("settings"), settings, meta["step"], where, allowed)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=keep_checkpoints)
   log = None
@@ -200,7 +208,8 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
     eval_sharding = NamedSharding(mesh, P(ex.data_axes))
     held_out = [data_lib.device_put_batch(b, eval_sharding) for b in data_lib.eval_batches(
         dataset.eval, num_batches=eval_batches, batch_size=batch_size, seq_len=cfg.seq_len)]
-    evaluate = lambda st: float(np.mean([float(eval_fn(st.params, b)) for b in held_out]))
+    loss_of = lambda out: out[0] if ex.model.has_aux else out
+    evaluate = lambda st: float(np.mean([float(loss_of(eval_fn(st.params, b, st.mutable))) for b in held_out]))
 
     lead = jax.process_index() == 0
     first_loss = resumed.meta.get("first_loss") if resumed is not None else None

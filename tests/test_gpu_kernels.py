@@ -1,0 +1,287 @@
+"""The quantization kernels compiled for GPUs on this CPU host: real Triton kernels, no interpreter.
+
+Programs are compiled for compile-only H100s/A100s (`jax.experimental.topologies`, the jax CUDA
+plugin; nothing runs). The Pallas kernels must become Triton custom calls, with no instruction of
+the Pallas interpreter (an XLA op named below a kernel's name scope) in the optimized program; the
+jax-triton kernels must lower without a GPU, with the target's compute capability, to PTX that the
+CUDA 12 ptxas of the runtime assembles. Lowering for a platform the kernels do not support raises.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import importlib.util
+import re
+import subprocess
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import quantization as Q
+
+BLOCK = 64
+N, G = 2, 4
+
+H100 = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 9 patch: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+A100 = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 167936 threads_per_core_limit: 2048 core_count: 108 fpus_per_core: 64
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 2039000000000 l2_cache_size: 41943040 clock_rate_ghz: 1.41
+  device_memory_size: 85051572224 shared_memory_per_block_optin: 166912
+  cuda_compute_capability { major: 8 minor: 0 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 9 patch: 0 }
+device_description_str: "NVIDIA A100-SXM4-80GB"
+"""
+TARGETS = {"h100": (H100, 90), "a100": (A100, 80)}
+
+PALLAS_TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'
+JAX_TRITON = 'custom_call_target="triton_kernel_call"'
+KERNEL_OP = re.compile(r'op_name="[^"]*?(zerojax_[a-z_]+)/([^"]*)"')
+
+
+def _found(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    return False
+
+
+GPU_AOT_REASON = "needs the jax CUDA plugin: pip install -e '.[gpu-aot]'"
+needs_plugin = pytest.mark.skipif(not _found("jax_plugins.xla_cuda12"), reason=GPU_AOT_REASON)
+needs_jax_triton = pytest.mark.skipif(
+    not (_found("jax_plugins.xla_cuda12") and _found("jax_triton")), reason=GPU_AOT_REASON)
+
+
+@functools.cache
+def _devices(target: str, topology: str):
+  from jax.experimental import topologies
+  return topologies.get_topology_desc(platform="cuda", target_config=TARGETS[target][0],
+                                      topology=topology).devices
+
+
+def _on_one_gpu(target, *shapes):
+  mesh = Mesh(np.array(_devices(target, "1x1x1")), ("x",))
+  return [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())) for s in shapes]
+
+
+def kernels_in(hlo: str) -> tuple[collections.Counter, collections.Counter]:
+  """(Pallas Triton kernels, instructions of the Pallas interpreter) per zerojax kernel name in an
+  optimized program: a kernel compiled through Triton is one custom call named `<kernel>/pallas_call`;
+  an interpreted one is XLA instructions (loops over its grid, slices, scatters) named below it."""
+  triton, interpreted = collections.Counter(), collections.Counter()
+  for line in hlo.splitlines():
+    m = KERNEL_OP.search(line)
+    if m is None:
+      continue
+    if m.group(2) == "pallas_call":
+      triton[m.group(1)] += PALLAS_TRITON in line
+    else:
+      interpreted[m.group(1)] += 1
+  return triton, interpreted
+
+
+def _all_ops(x, bits, backend, noise=None):
+  """Every kernel once (and the rotated ones rotated), for `bits`."""
+  v, s = Q.quantize(x, bits, BLOCK, backend=backend)
+  rv, rs = Q.quantize(x, bits, BLOCK, rotate=True, backend=backend)
+  qv, qs = Q.reorder_quantize(x, N, G, bits, BLOCK, rotate=True, backend=backend)
+  vk, sk = qv.reshape(G, -1), qs.reshape(G, -1)
+  nv, ns = Q.dequant_sum_quantize(vk, sk, bits, BLOCK, out_bits=4, noise=noise, backend=backend)
+  return (v, s, Q.dequantize(rv, rs, bits, BLOCK, dtype=jnp.bfloat16, rotate=True, backend=backend),
+          nv, ns, Q.dequant_sum(vk, sk, bits, BLOCK, rotate=True, backend=backend))
+
+
+def _program(x, backend, noise=None):
+  return [_all_ops(x, bits, backend, noise) for bits in (8, 4)]
+
+
+def _x():
+  return jax.ShapeDtypeStruct((N * G * 4 * BLOCK,), jnp.float32)
+
+
+# --- Pallas ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu_compile
+@needs_plugin
+@pytest.mark.parametrize("target", ["h100", "a100"])
+def test_pallas_kernels_compile_to_triton_for_gpus(target):
+  """Lowered on this CPU host for a GPU, every Pallas kernel is a Triton kernel (no interpreter),
+  rotated ones included, and the qgZ fused step with stochastic rounding too."""
+  x, u = _on_one_gpu(target, _x(), jax.ShapeDtypeStruct((N * G * 4 * BLOCK // G,), jnp.float32))
+  hlo = jax.jit(lambda x, u: _program(x, "pallas", u)).lower(x, u).compile().as_text()
+  triton, interpreted = kernels_in(hlo)
+  assert not interpreted, f"Pallas interpreter compiled for {target}: {dict(interpreted)}"
+  # Per bit width: quantize twice (plain, rotated), and each other kernel once.
+  assert triton == {"zerojax_quantize": 4, "zerojax_dequantize": 2, "zerojax_reorder_quantize": 2,
+                    "zerojax_dequant_sum_quantize": 2, "zerojax_dequant_sum": 2}, triton
+  assert hlo.count(PALLAS_TRITON) == 12
+
+
+def test_kernels_in_counts_the_interpreter():
+  """The criterion above, on a program that runs the Pallas interpreter (lowered for the CPU)."""
+  hlo = jax.jit(lambda x: _all_ops(x, 8, "pallas")).lower(_x()).compile().as_text()
+  triton, interpreted = kernels_in(hlo)
+  assert not any(triton.values())
+  assert set(interpreted) == {"zerojax_quantize", "zerojax_dequantize", "zerojax_reorder_quantize",
+                              "zerojax_dequant_sum_quantize", "zerojax_dequant_sum"}
+
+
+@pytest.mark.parametrize("platform,block,error,match", [
+    ("cuda", 48, ValueError, "power-of-two block"),
+    ("tpu", 64, NotImplementedError, "no implementation for tpu; use backend='xla'"),
+])
+def test_pallas_refuses_what_it_cannot_lower(platform, block, error, match):
+  """Lowered for a platform it has no kernel for, the Pallas backend raises (never falls back)."""
+  f = jax.jit(lambda x: Q.quantize(x, 8, block, backend="pallas"))
+  with pytest.raises(error, match=match):
+    jax.export.export(f, platforms=[platform])(jax.ShapeDtypeStruct((4 * block,), jnp.float32))
+
+
+# --- zeropp train step ----------------------------------------------------------------------------
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@needs_plugin
+@pytest.mark.parametrize("rotate", [False, True])
+def test_zeropp_train_step_with_pallas_compiles_triton_kernels_for_h100s(rotate):
+  """A ZeRO++ step with kernel_backend="pallas" compiled for 2 x 4 H100s runs its quantization in
+  Triton kernels, none interpreted: per unit (embed, scanned blocks, head) the qwZ gather quantizes
+  and dequantizes, and the qgZ reduction reorders+quantizes, dequantizes-sums-requantizes inside the
+  node and dequantizes-sums across nodes."""
+  import zerojax
+  from tests.helpers import TINY, optimizer, tiny_gpt
+  mesh = Mesh(np.array(_devices("h100", "1x2x4")).reshape(N, G), ("node", "gpu"))
+  plan = zerojax.plan.zeropp(kernel_backend="pallas", rotate=rotate)
+  ex = zerojax.Executor(tiny_gpt(), optimizer(), plan, mesh, accum_steps=1)
+  shapes = jax.eval_shape(ex.init, jax.random.key(0))
+  state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                       shapes, ex.shardings(shapes))
+  batch = jax.ShapeDtypeStruct((1, 16, TINY.seq_len + 1), jnp.int32, sharding=ex.batch_sharding)
+  hlo = ex.step_fn().lower(state, batch).compile().as_text()
+  triton, interpreted = kernels_in(hlo)
+  assert not interpreted, dict(interpreted)
+  units = len(ex.param_specs)
+  assert triton == {k: units for k in ("zerojax_quantize", "zerojax_dequantize",
+                                       "zerojax_reorder_quantize", "zerojax_dequant_sum_quantize",
+                                       "zerojax_dequant_sum")}, triton
+  assert hlo.count(PALLAS_TRITON) == 5 * units
+
+
+# --- jax-triton -----------------------------------------------------------------------------------
+
+def _ptx_of(stablehlo) -> list[bytes]:
+  """The PTX of every jax-triton kernel in a lowered module (zlib-compressed protos in the custom
+  calls' backend_config)."""
+  def fields(buf):  # length-delimited fields of a protobuf message, recursively
+    i = 0
+    while i < len(buf):
+      key, i = _varint(buf, i)
+      kind = key & 7
+      if kind == 0:
+        _, i = _varint(buf, i)
+      elif kind == 2:
+        n, i = _varint(buf, i)
+        yield buf[i:i + n]
+        if not buf[i:i + n].startswith(b"//"):
+          yield from fields(buf[i:i + n])
+        i += n
+      elif kind in (1, 5):
+        i += 8 if kind == 1 else 4
+      else:
+        return
+
+  out = []
+  for op in _walk(stablehlo.operation):
+    if op.name == "stablehlo.custom_call" and "triton_kernel_call" in str(op.attributes["call_target_name"]):
+      raw = zlib.decompress(op.attributes["backend_config"].value_bytes)
+      out += [f for f in fields(raw) if f.startswith(b"//") and b".version" in f]
+  return out
+
+
+def _varint(buf, i):
+  shift = value = 0
+  while True:
+    b = buf[i]
+    value |= (b & 0x7F) << shift
+    i += 1
+    shift += 7
+    if b < 0x80:
+      return value, i
+
+
+def _walk(op):
+  for region in op.regions:
+    for block in region.blocks:
+      for o in block.operations:
+        yield o
+        yield from _walk(o)
+
+
+@pytest.mark.gpu_compile
+@needs_jax_triton
+@pytest.mark.parametrize("target", ["h100", "a100"])
+def test_triton_kernels_compile_for_gpus_without_one(target, monkeypatch, tmp_path):
+  """backend='triton' lowers on this CPU host for the target's compute capability, compiles, and
+  its PTX (version 8.x, that of CUDA 12) is assembled by the runtime's ptxas for the target's arch."""
+  from pallas_kernels import triton_block_quant
+  cc = TARGETS[target][1]
+  monkeypatch.setenv(triton_block_quant.CC_ENV, str(cc))
+  for k in triton_block_quant.PTXAS_ENV:
+    monkeypatch.delenv(k, raising=False)
+  [x] = _on_one_gpu(target, _x())
+  lowered = jax.jit(functools.partial(_program, backend="triton")).lower(x)
+  hlo = lowered.compile().as_text()
+  assert hlo.count(JAX_TRITON) == 12  # 6 kernels per bit width (rotation is XLA around them)
+  ptxs = _ptx_of(lowered.compiler_ir("stablehlo"))
+  assert len(ptxs) == 12
+  arch = f"sm_{cc}" + ("a" if cc >= 90 else "")
+  ptxas = triton_block_quant.runtime_ptxas()
+  for i, ptx in enumerate(ptxs):
+    assert re.search(rb"^\.version 8\.\d+$", ptx, re.M), ptx[:200]
+    assert re.search(rb"^\.target " + arch.encode() + rb"$", ptx, re.M), ptx[:200]
+    path = tmp_path / f"k{i}.ptx"
+    path.write_bytes(ptx)
+    run = subprocess.run([ptxas, f"-arch={arch}", str(path), "-o", str(tmp_path / f"k{i}.cubin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.gpu_compile
+@needs_jax_triton
+def test_triton_without_compute_capability_names_the_fix(monkeypatch):
+  from pallas_kernels import triton_block_quant
+  monkeypatch.delenv(triton_block_quant.CC_ENV, raising=False)
+  [x] = _on_one_gpu("h100", _x())
+  with pytest.raises(RuntimeError, match=f"set {triton_block_quant.CC_ENV}=90"):
+    jax.jit(lambda x: Q.quantize(x, 8, BLOCK, backend="triton")).lower(x)
+
+
+@pytest.mark.skipif(not _found("jax_triton"), reason="needs jax-triton: pip install -e '.[gpu]'")
+def test_triton_lowered_for_cpu_raises():
+  with pytest.raises(RuntimeError, match="lowered for cpu; use backend='xla' or 'pallas'"):
+    jax.jit(lambda x: Q.quantize(x, 8, BLOCK, backend="triton")).lower(_x())

@@ -1,0 +1,106 @@
+"""First contact with a flax model: what `from_linen` and `from_nnx` are handed, checked at wrap time.
+
+Each misuse a user meets when first wrapping a model nobody on this project wrote fails in one line that
+names the fix, before any step is compiled: a Hugging Face model wrapper instead of its linen module, a
+module drawing from an rng stream the wrapper was not told of (Hugging Face models draw "dropout" when
+`deterministic=False`), and a `loss_fn` returning something other than a scalar loss or `(loss, aux)`
+(e.g. the model's output object), or a collective over an axis zerojax does not bind.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Sequence
+
+import flax.errors
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def _is_hf_wrapper(module) -> bool:
+  """A Hugging Face Flax model (`FlaxPreTrainedModel`): a linen `.module` with its `.params` beside it."""
+  return isinstance(getattr(module, "module", None), nn.Module) and hasattr(module, "params")
+
+
+def check_linen_module(module) -> None:
+  """Raises TypeError unless `module` is a flax linen Module."""
+  if isinstance(module, nn.Module):
+    return
+  if _is_hf_wrapper(module):
+    raise TypeError(f"module is a {type(module).__name__}, a Hugging Face model wrapper; pass its linen module "
+                    "`zerojax.from_linen(hf_model.module, ...)` and its weights "
+                    "`ex.init_from_params(hf_model.params)`")
+  what = "an NNX module: use zerojax.from_nnx" if isinstance(module, nnx.Module) else \
+      "not a flax linen Module: pass an unbound nn.Module instance"
+  raise TypeError(f"module is a {type(module).__name__}, {what}")
+
+
+def check_nnx_module(module) -> None:
+  """Raises TypeError unless `module` is an NNX module or a constructor of one."""
+  if _is_hf_wrapper(module):
+    raise TypeError(f"module is a {type(module).__name__}, a Hugging Face model wrapper around a linen module; "
+                    "use `zerojax.from_linen(hf_model.module, ...)` and `ex.init_from_params(hf_model.params)`")
+  if isinstance(module, nn.Module):
+    raise TypeError(f"module is a {type(module).__name__}, a flax linen Module; use zerojax.from_linen")
+  if not (isinstance(module, nnx.Module) or callable(module)):
+    raise TypeError(f"module is a {type(module).__name__}; pass an nnx.Module or a function `rngs -> module`")
+
+
+@contextlib.contextmanager
+def rng_streams(rngs: Sequence[str]):
+  """Turns flax's `InvalidRngError` (a stream the module draws from and was not given) into a ValueError
+  naming zerojax's `rngs=` argument with the stream added."""
+  try:
+    yield
+  except flax.errors.InvalidRngError as e:
+    m = re.search(r'needs PRNG for "([^"]+)"', str(e))
+    if m is None:
+      raise
+    name = m.group(1)
+    raise ValueError(f"the module draws from the rng stream {name!r} in training, which rngs={tuple(rngs)} "
+                     f"does not name; pass rngs={tuple(rngs) + (name,)} (Hugging Face Flax models draw "
+                     "'dropout' when deterministic=False)") from None
+
+
+@contextlib.contextmanager
+def bound_axes():
+  """Turns the NameError of a collective over an unbound axis (e.g. `BatchNorm(axis_name="batch")`,
+  written for pmap) into a ValueError naming the fix."""
+  try:
+    yield
+  except NameError as e:
+    raise ValueError(f"the module calls a collective over an axis that is not bound ({e}); zerojax owns the "
+                     "mesh axes for sharding and averages mutable collections (batch_stats) over the "
+                     "data-parallel devices after each step: drop the unit's collective (e.g. BatchNorm's "
+                     "axis_name)") from None
+
+
+def _scalar_problem(x) -> str | None:
+  """Why `x` (a `ShapeDtypeStruct` from `jax.eval_shape`) is not a floating scalar; None if it is."""
+  if not isinstance(x, jax.ShapeDtypeStruct):
+    return f"a {type(x).__name__}" + (" (the model's output: compute the loss from its .logits)"
+                                      if hasattr(x, "logits") else "")
+  if x.shape != ():
+    return f"an array of shape {x.shape} (reduce it to the mean loss of the micro-batch)"
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return f"a scalar of dtype {x.dtype} (a loss is floating point)"
+  return None
+
+
+def check_loss_output(out: Any) -> bool:
+  """Checks what `jax.eval_shape` gives for `loss_fn`'s output; returns whether it has aux.
+
+  Raises:
+    ValueError: the output is neither a floating scalar nor a 2-tuple `(loss, aux)` whose loss is one.
+  """
+  has_aux = isinstance(out, (tuple, list))
+  if has_aux and len(out) != 2:
+    problem = f"a {len(out)}-tuple (put the extra outputs in aux, e.g. a dict)"
+  else:
+    problem = _scalar_problem(out[0] if has_aux else out)
+    problem = problem and ("(loss, aux) with a loss that is " + problem if has_aux else problem)
+  if problem:
+    raise ValueError(f"loss_fn must return a scalar loss or (loss, aux); it returned {problem}")
+  return has_aux
