@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax import analysis
-from zerojax.models.gpt import Block, GPTConfig, _embed, _head_loss, gpt
+from zerojax.models.gpt import Block, GPTConfig, embed_tokens, head_loss, gpt
 from zerojax.train.optim import make_optimizer
 from bench_plans import spread  # benchmarks/, this script's directory
 
@@ -71,7 +71,7 @@ def gspmd_loss(cfg: GPTConfig, mesh, remat: str):
   block = Block(cfg)
   batch_sharded = NamedSharding(mesh, P(DATA, None, None))
   wrap = (lambda f: f) if remat == "none" else (lambda f: jax.checkpoint(f, policy=POLICIES[remat]))
-  embed, head = wrap(_embed), wrap(_head_loss)
+  embed, head = wrap(embed_tokens), wrap(head_loss)
   block_fn = wrap(lambda p, x: block.apply({"params": p}, x))
 
   def loss(params, tokens):

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zerojax  # noqa: E402
 from zerojax import plan as plans  # noqa: E402
 from zerojax.train import checkpoint  # noqa: E402
-from tests.test_checkpoint import STEPS, make_executor  # noqa: E402
+from tests.train_helpers import STEPS, make_executor  # noqa: E402
 
 
 def main(pid, port, out):

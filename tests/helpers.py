@@ -1,10 +1,13 @@
 """Shared fixtures for the executor tests: a tiny GPT, a reference single-device trainer."""
+import socket
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import zerojax
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax.train.optim import decay_mask
 
@@ -62,7 +65,6 @@ def capture_grads() -> optax.GradientTransformation:
 
 def sharded_grads(plan, mesh, model, params, batch):
   """The gradient one executor step hands to the optimizer, in the model's shapes, and the metrics."""
-  import zerojax
   from zerojax import layout as layout_lib
   ex = zerojax.Executor(model, capture_grads(), plan, mesh, accum_steps=batch.shape[0])
   state, m = ex.step_fn()(ex.init_from_params(params), jax.device_put(batch, ex.batch_sharding))
@@ -87,6 +89,33 @@ def reference_case():
   params = jax.jit(model.init)(jax.random.key(0))
   batch = batches(1, 2)[0]
   return model, params, batch, reference_grads(model, params, batch)
+
+
+def run(plan, mesh, opt, model=None, steps=3, accum=2, pad_multiple=1):
+  model = model or tiny_gpt()
+  ex = zerojax.Executor(model, opt, plan, mesh, accum_steps=accum, pad_multiple=pad_multiple)
+  params = jax.jit(model.init)(jax.random.key(0))
+  state = ex.init_from_params(params)
+  step = ex.step_fn()
+  losses = []
+  for b in batches(steps, accum):
+    state, m = step(state, jax.device_put(b, ex.batch_sharding))
+    losses.append(float(m.loss))
+  return ex, state, params, losses
+
+
+def data(shape, seed=0):
+  """Gaussian values with a few large outliers, as in real gradients and weights."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape).astype(np.float32)
+  x.reshape(-1)[rng.integers(0, x.size, x.size // 100)] *= 30
+  return x
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def sweep(points, fast):

@@ -1,7 +1,6 @@
 """Checkpoints: bitwise resume after SIGKILL or SIGTERM, restore onto other meshes, plans and process
 counts, clear errors for missing, damaged or mismatched checkpoints, export of plain parameters."""
 import glob
-import json
 import os
 import re
 import shutil
@@ -19,19 +18,13 @@ import zerojax
 from zerojax import plan as plans
 from zerojax.train import checkpoint, export, signals, state_spec
 from zerojax.models.gpt import gpt
-from zerojax.train.optim import make_optimizer
 from tests import helpers
+from tests.helpers import free_port
+from tests.train_helpers import STEPS, TRAIN_STEPS, make_executor, records, run_train
 
 # A failed read leaves orbax reader tasks whose event loop is closed when they are collected, later.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 2
-
-
-def make_executor(plan, mesh, model=None, optimizer="adamw"):
-  opt = make_optimizer(name=optimizer, total_steps=10)
-  return zerojax.Executor(model or helpers.tiny_gpt(), opt, plan, mesh, pad_multiple=3)
-
 
 def flat_numpy(tree) -> dict:
   """`{"params/blocks/qkv/kernel": array, ...}` of a stored-layout tree."""
@@ -199,7 +192,6 @@ def test_stop_signal():
 def test_two_processes_save_and_restore(saved, tmp_path):
   """A 1-process checkpoint restores onto 2 processes x 4 devices (ZeRO-3), which save it again; one
   process restores that onto 1 x 4 (MiCS) and 8 x 1 (DP): every logical array is bitwise the original."""
-  from tests.test_multiprocess import free_port
   _, _, want, path = saved
   shutil.copytree(path, tmp_path / "single")
   port, env = free_port(), {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -222,48 +214,6 @@ def test_two_processes_save_and_restore(saved, tmp_path):
 
 
 # -- train.py: kill, restart, compare ---------------------------------------------------------------
-
-TRAIN_STEPS = 20
-GIN = ["model_config.d_model=32", "model_config.num_layers=2", "model_config.seq_len=32", "train.batch_size=8",
-       f"train.steps={TRAIN_STEPS}", "train.checkpoint_every=4", "train.keep_checkpoints=2",
-       "train.eval_every=0", "train.progress=False", "train.max_data_bytes=1000000"]
-
-
-def start_train(workdir, gin_file="configs/zero3.gin", gin=tuple(GIN)):
-  args = [sys.executable, os.path.join(ROOT, "train.py"), f"--gin_file={gin_file}", f"--workdir={workdir}"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.Popen(args + [f"--gin_param={g}" for g in gin], cwd=ROOT, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def records(workdir):
-  """The (step, loss, grad_norm) of every line of metrics.jsonl, in order."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, f) if r]
-
-
-def run_train(workdir, sig=None, when=None, **config):
-  """Runs train.py in `workdir` (`config`: `start_train`'s gin file and params); sends `sig` once
-  `when(last step logged)` holds.
-
-  Returns:
-    (return code, output, the records this run wrote, the step it restored or None).
-  """
-  proc = start_train(workdir, **config)
-  deadline = time.time() + 240
-  while sig is not None and proc.poll() is None and time.time() < deadline:
-    recs = records(workdir)
-    if recs and when(recs[-1][0]):
-      proc.send_signal(sig)
-      break
-    time.sleep(0.005)
-  out = proc.communicate(timeout=240)[0]
-  restored = [int(s) for s in re.findall(r"restored step (\d+) from", out)]
-  restored = restored[0] if restored else None
-  return proc.returncode, out, [r for r in records(workdir) if r[0] > (restored or 0)], restored
 
 
 @pytest.fixture(scope="module")

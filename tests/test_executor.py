@@ -8,24 +8,13 @@ from jax import lax
 import zerojax
 from zerojax import plan as plans
 from tests import helpers
+from tests.helpers import run
 
 
 @pytest.fixture(scope="module")
 def mesh():
   return zerojax.make_mesh(2, 4)
 
-
-def run(plan, mesh, opt, model=None, steps=3, accum=2, pad_multiple=1):
-  model = model or helpers.tiny_gpt()
-  ex = zerojax.Executor(model, opt, plan, mesh, accum_steps=accum, pad_multiple=pad_multiple)
-  params = jax.jit(model.init)(jax.random.key(0))
-  state = ex.init_from_params(params)
-  step = ex.step_fn()
-  losses = []
-  for b in helpers.batches(steps, accum):
-    state, m = step(state, jax.device_put(b, ex.batch_sharding))
-    losses.append(float(m.loss))
-  return ex, state, params, losses
 
 
 EXACT_PLANS = ["dp", "zero1", "zero2", "zero3", "mics"]  # nothing quantized

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 from pallas_kernels import hadamard
 from tests import helpers
-from tests.test_zeropp import data
+from tests.helpers import data
 from zerojax import layout as layout_lib
 from zerojax import plan as plans
 from zerojax import quantization as q

@@ -70,7 +70,7 @@ def test_per_block_units_use_the_memory_of_a_scanned_stack(mesh):
   for scan in (True, False):
     model = zerojax.from_linen(Stack(scan), EXAMPLE, mse, units=(MLP,))
     ex = zerojax.Executor(model, optax.adamw(1e-3), zerojax.zero3(param_dtype="float32"), mesh, accum_steps=2)
-    state = jax.eval_shape(ex._init_from_flat, ex._flat_shapes())
+    state = jax.eval_shape(ex.init_from_flat, ex.flat_shapes())
     peaks[scan] = peak_bytes(ex.step_fn().lower(state, batch).compile())
     blocks = sum(unit_bytes(ex, u) for u in ex.layout.tree() if u != "_root")
   assert peaks[False] <= 1.5 * peaks[True], peaks

@@ -1,6 +1,6 @@
 """The package layout holds: each folder is one layer of the design and imports only downward.
 
-Layers (DESIGN.md, "Layout of the repository"), lowest first; a module may import modules of a lower
+Layers (docs/DESIGN.md, "Layers"), lowest first; a module may import modules of a lower
 layer, or of its own group (folder, or the core modules among themselves), never upward or sideways:
 
   0  pallas_kernels                                       the GPU kernels
@@ -136,3 +136,76 @@ def test_files_are_short():
           + list((ROOT / "benchmarks").glob("*.py")) if (n := len(p.read_text().splitlines())) > MAX_LINES]
   assert long == [], f"files over {MAX_LINES} lines: {long}"
   assert os.path.exists(ROOT / "train.py")
+
+
+# -- private names stay in their module --------------------------------------------------------------
+
+def is_private(name: str) -> bool:
+  return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def project_files() -> list[pathlib.Path]:
+  """Every Python file of the library, the kernels, the benchmarks, the examples and the tests."""
+  dirs = ("zerojax", "pallas_kernels", "benchmarks", "examples", "tests")
+  return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py")) + [ROOT / "train.py"]
+
+
+def private_definitions(tree: ast.AST) -> set[str]:
+  """Private names a file defines: functions, classes, variables, attributes it assigns, parameters."""
+  names = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      names.add(node.name)
+    elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+      names.add(node.id if isinstance(node, ast.Name) else node.attr)
+    elif isinstance(node, ast.arg):
+      names.add(node.arg)
+  return {n for n in names if is_private(n)}
+
+
+def private_uses(sources: dict[str, str]) -> list[str]:
+  """`file:line: use` for every private name a file takes from another project file: `from m import _x`
+  of a project module, or `obj._x` (obj not self/cls) where `_x` is defined in another file only."""
+  trees = {f: ast.parse(s) for f, s in sources.items()}
+  defined = {f: private_definitions(t) for f, t in trees.items()}
+  anywhere = set().union(*defined.values()) if defined else set()
+  project = ("zerojax", "pallas_kernels", "benchmarks", "tests")
+  bad = []
+  for f, tree in trees.items():
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in project:
+        bad += [f"{f}:{node.lineno}: from {node.module} import {a.name}" for a in node.names if is_private(a.name)]
+      elif (isinstance(node, ast.Attribute) and is_private(node.attr) and node.attr in anywhere
+            and node.attr not in defined[f] and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+        bad.append(f"{f}:{node.lineno}: {ast.unparse(node)}")
+  return bad
+
+
+def test_no_module_uses_another_modules_private_names():
+  sources = {str(p.relative_to(ROOT)): p.read_text() for p in project_files()}
+  assert "zerojax/unit.py" in sources and "tests/helpers.py" in sources
+  assert private_uses(sources) == []
+
+
+def test_test_files_share_helpers_through_helper_modules():
+  """A test file imports no other test file: shared helpers live in tests/helpers.py (and the like)."""
+  bad = []
+  for p in project_files():
+    for node in ast.walk(ast.parse(p.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module
+               else [])
+      bad += [f"{p.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.startswith("tests.test_")]
+  assert bad == []
+
+
+@pytest.mark.parametrize("sources,expect", [
+    ({"a.py": "def _f(): pass", "b.py": "from zerojax.a import _f"}, "b.py:1: from zerojax.a import _f"),
+    ({"a.py": "class E:\n  def _g(self): pass", "b.py": "def h(e):\n  return e._g()"}, "b.py:2: e._g"),
+])
+def test_the_private_check_catches_cross_module_uses(sources, expect):
+  assert expect in private_uses(sources)
+
+
+def test_the_private_check_allows_own_private_names():
+  assert private_uses({"a.py": "class E:\n  def _g(self): pass\n  def h(self, o):\n    return self._g(), o._g()"}) == []

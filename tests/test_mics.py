@@ -89,7 +89,7 @@ def test_multi_step_training_equals_dp(model_and_ref):
 
 
 def run(plan, mesh, opt, steps=2, accum=2):
-  from tests.test_executor import run as run_executor
+  from tests.helpers import run as run_executor
   return run_executor(plan, mesh, opt, steps=steps, accum=accum)
 
 

@@ -1,6 +1,5 @@
 """A real 2-process x 4-device cluster over gloo trains every plan like single-device jax.grad."""
 import os
-import socket
 import subprocess
 import sys
 
@@ -10,16 +9,11 @@ import pytest
 
 import zerojax
 from zerojax import plan as plans
-from tests.test_executor import run
+from tests.helpers import free_port, run
 from tests import helpers
 
 WORKER = os.path.join(os.path.dirname(__file__), "mp_worker.py")
 
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def run_cluster(tmp_path, names, timeout=900):

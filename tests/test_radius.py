@@ -413,7 +413,7 @@ def test_train_py_sigkill_mid_window_resumes_bitwise(tmp_path):
   the residual and the window's indices and logs exactly the losses of a run never interrupted."""
   import os
   import signal
-  from tests.test_checkpoint import GIN, run_train
+  from tests.train_helpers import GIN, run_train
   config = {"gin_file": "configs/mics_radius.gin",
             "gin": [g for g in GIN if not g.startswith(("train.steps", "train.checkpoint_every"))] + [
                 "train.steps=12", "train.checkpoint_every=4", "radius.density=0.25", "radius.period=5",

@@ -1,76 +1,10 @@
 """train.py end to end: gin configs, metrics files, one-line errors, device counts, non-finite handling."""
 import json
 import os
-import subprocess
-import sys
 
-import gin
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["model_config.d_model=32", "model_config.num_layers=2", "model_config.seq_len=32",
-        "train.batch_size=8", "train.eval_every=5", "train.eval_batches=1", "train.progress=False",
-        "train.max_data_bytes=2000000"]
-
-
-def command(workdir, *params, gin_file="configs/zero3.gin", extra=(), tiny=True) -> list[str]:
-  """`python .../train.py --workdir=... [--gin_file=...] --gin_param=...` with the TINY model."""
-  cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--workdir={workdir}", *extra]
-  cmd += [f"--gin_file={gin_file}"] if gin_file else []
-  return cmd + [f"--gin_param={p}" for p in (TINY if tiny else []) + list(params)]
-
-
-def clean_env() -> dict:
-  return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-
-def train(workdir, *params, gin_file="configs/zero3.gin", extra=(), tiny=True, cwd=ROOT, env=None, prefix=()):
-  """Runs train.py as a user does and waits for it (`prefix`: a command that runs it, e.g. with a limit)."""
-  cmd = [*prefix, *command(workdir, *params, gin_file=gin_file, extra=extra, tiny=tiny)]
-  return subprocess.run(cmd, cwd=cwd, env=clean_env() if env is None else env, capture_output=True, text=True,
-                        timeout=600)
-
-
-def steps_of(workdir) -> list[int]:
-  """The steps of metrics.jsonl, in order."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line)["step"] for line in f]
-
-
-def saved_steps(workdir) -> list[int]:
-  """The finished checkpoints' steps."""
-  folder = os.path.join(workdir, "checkpoints")
-  return sorted(int(d) for d in os.listdir(folder) if d.isdigit()) if os.path.isdir(folder) else []
-
-
-def error_line(r) -> str:
-  """The one line a failed run printed to stderr (asserts there is exactly one and no traceback)."""
-  lines = [l for l in r.stderr.splitlines() if l.strip() and not l.startswith(("W0000", "I0000", "WARNING: All"))]
-  assert len(lines) == 1 and lines[0].startswith("zerojax: error: ") and "Traceback" not in r.stderr, r.stderr[-3000:]
-  return lines[0]
-
-
-def run_main(argv, capsys, monkeypatch):
-  """`train.py ARGV` in this process (`zerojax.cli.train.main`): (exit code, stdout, stderr). For what needs
-  no fresh process: one-line errors, --help. Leaves gin and the process's hooks as they were."""
-  from zerojax.cli.train import main
-  monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # main() quiets it for the process
-  gin.clear_config()
-  try:
-    code = main(argv)
-  except SystemExit as e:  # argparse: --help, usage errors
-    code = e.code
-  finally:
-    gin.clear_config()
-  out, err = capsys.readouterr()
-  return code, out, err
-
-
-def error_line_of(err: str) -> str:
-  """The one line a failed in-process run printed to stderr."""
-  lines = [l for l in err.splitlines() if l.strip()]
-  assert len(lines) == 1 and lines[0].startswith("zerojax: error: ") and "Traceback" not in err, err[-3000:]
-  return lines[0]
+from tests.train_helpers import command, error_line, error_line_of, run_main, train
 
 
 @pytest.mark.parametrize("gin_file", [pytest.param("configs/mics.gin", marks=pytest.mark.e2e), "configs/zeropp.gin"])
@@ -116,7 +50,8 @@ def test_help_lists_the_gin_parameters(tmp_path, capsys, monkeypatch):
   code, out, _ = run_main(["--help"], capsys, monkeypatch)
   assert code == 0
   for line in ["train.steps = 200", "train.plan = REQUIRED", "model_config.d_model = 128",
-               "make_optimizer.learning_rate = 0.003", "zeropp.weight_bits = 8", "PLAN.param_dtype = 'bfloat16'"]:
+               "make_optimizer.learning_rate = 0.003", "zeropp.weight_bits = 8", "PLAN.reduce_dtype = 'float32'",
+               "train.param_dtype = None"]:
     assert line in out, line
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tests.test_multiprocess import free_port
-from tests.test_train import ROOT, TINY, clean_env, saved_steps as steps_saved, steps_of
+from tests.helpers import free_port
+from tests.train_helpers import ROOT, TINY, clean_env, saved_steps as steps_saved, steps_of
 
 STEPS = 30
 HEARTBEAT_S = 5

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_train import command, error_line, error_line_of, run_main, saved_steps, steps_of, train
+from tests.train_helpers import command, error_line, error_line_of, run_main, saved_steps, steps_of, train
 
 
 def losses(workdir) -> dict:

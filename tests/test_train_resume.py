@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.test_train import ROOT, clean_env, command, error_line, saved_steps, steps_of, train
+from tests.train_helpers import ROOT, clean_env, command, error_line, saved_steps, steps_of, train
 
 STEPS = 60
 pytestmark = pytest.mark.e2e  # each test runs train.py and stops it with a signal

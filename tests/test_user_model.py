@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tests.doc_sections import code_blocks
-from tests.test_train import ROOT, clean_env, error_line_of, run_main, saved_steps, steps_of
+from tests.train_helpers import ROOT, clean_env, error_line_of, run_main, saved_steps, steps_of
 from zerojax.train import user_model
 from zerojax.train.config import ConfigError
 

@@ -10,7 +10,7 @@ import zerojax
 from zerojax import analysis, comm, plan as plans
 from zerojax.comm import qgz
 from tests import helpers
-from tests.test_executor import run
+from tests.helpers import data, run
 
 BLOCK = 32
 
@@ -18,13 +18,6 @@ BLOCK = 32
 def shmap(f, mesh, in_specs, out_specs):
   return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
-
-def data(shape, seed=0):
-  """Gaussian values with a few large outliers, as in real gradients and weights."""
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal(shape).astype(np.float32)
-  x.reshape(-1)[rng.integers(0, x.size, x.size // 100)] *= 30
-  return x
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""The one executor: a train step driven by a `Plan` (DESIGN.md, "gradient flow for a plan").
+"""The one executor: a train step driven by a `Plan` (docs/DESIGN.md, "The flow of one step").
 
 Per step, inside one `jax.shard_map` over the ("node", "gpu") mesh:
 
@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zerojax import comm, fidelity, layout as layout_lib, logical as logical_lib
 from zerojax import mesh as mesh_lib
 from zerojax.mesh import axis_sizes, group_size
-from zerojax.model import Model, _identity, call_loss  # noqa: F401  (re-exported)
+from zerojax.model import Model, identity, call_loss  # noqa: F401  (re-exported)
 from zerojax.plan import Plan
 from zerojax.unit import ShardedUnit, UnitMeta
 
@@ -109,7 +109,7 @@ class Executor:
     if not isinstance(shapes, dict):
       raise TypeError(f"model.init must return a dict of units, got {type(shapes).__name__}")
     self.layout = layout_lib.make_layout(shapes, model.scanned, mesh.size * math.lcm(pad_multiple, plan.alignment))
-    self.to_user, self.from_user = model.to_user or _identity, model.from_user or _identity
+    self.to_user, self.from_user = model.to_user or identity, model.from_user or identity
     self.user_optimizer = optimizer
     self.optimizer = logical_lib.logical_optimizer(optimizer, self.layout, self.to_user, self.from_user)
     self.param_specs = layout_lib.specs(self.layout, plan.opt_order)
@@ -131,7 +131,7 @@ class Executor:
   # -- state -----------------------------------------------------------------------------------------
   def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
     """NamedShardings of every field of the train state."""
-    state_shapes = state_shapes or jax.eval_shape(self._init_from_flat, self._flat_shapes())
+    state_shapes = state_shapes or jax.eval_shape(self.init_from_flat, self.flat_shapes())
     params = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs)
     rep = NamedSharding(self.mesh, P())
     by_ndim = {1: NamedSharding(self.mesh, P(self.plan.opt_order or None)),
@@ -150,11 +150,11 @@ class Executor:
     res = jax.tree.map(lambda s: P(self.replicas, *s), self.param_specs, is_leaf=lambda s: isinstance(s, P))
     return RadiusState(residual=res, indices=self.param_specs, selected_at=P())
 
-  def _flat_shapes(self):
+  def flat_shapes(self):
     return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), self.layout.tree(),
                         is_leaf=layout_lib.is_layout)
 
-  def _init_from_flat(self, flat, rng=None, mutable=None):
+  def init_from_flat(self, flat, rng=None, mutable=None):
     check_elementwise(self.optimizer, flat)
     model, key = self.model, jax.random.key(0)
     if model.rng:
@@ -204,7 +204,7 @@ class Executor:
   def _init_state(self, flat, rng, mutable=None) -> TrainState:
     if self.model.init_state is not None and mutable is None:
       mutable = jax.jit(self.model.init_state)(rng)
-    return jax.jit(self._init_from_flat, out_shardings=self.shardings())(flat, rng, mutable)
+    return jax.jit(self.init_from_flat, out_shardings=self.shardings())(flat, rng, mutable)
 
   def logical_params(self, state: TrainState, device=None):
     """The master weights in the user's tree and shapes (flax's `params`), without padding.

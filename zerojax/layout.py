@@ -1,6 +1,6 @@
 """Parameter layout: flat, zero-padded leaves sharded on their last axis.
 
-DESIGN.md, "Parameter layout". A model's parameters are a dict of *units* (one gather and one gradient
+docs/DESIGN.md, "Parameter layout". A model's parameters are a dict of *units* (one gather and one gradient
 reduction each, FSDP's "unit"); a scanned unit's leaves carry a leading layer axis. Each leaf is
 flattened and zero-padded to a multiple of (all devices x quantization block), giving a global array
 `[padded]` (or `[layers, padded]`) whose last axis is split into one contiguous chunk per device of the

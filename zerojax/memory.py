@@ -30,7 +30,7 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
   s = lambda axes: group_size(ex.mesh, axes)
   plan = ex.plan
   numel = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves)
-  opt_shapes = jax.eval_shape(ex.optimizer.init, ex._flat_shapes())
+  opt_shapes = jax.eval_shape(ex.optimizer.init, ex.flat_shapes())
   opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_shapes) if x.ndim)
   expected = {
       "params": layout_lib.bytes_of(ex.layout, plan.param_dtype) // s(plan.param_axes),

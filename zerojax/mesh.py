@@ -1,6 +1,6 @@
 """The ("node", "gpu") device mesh, for one process or one process per node, and its factorings.
 
-Every plan in zerojax is a choice of axes of this mesh (DESIGN.md). The `node` axis is the slow one
+Every plan in zerojax is a choice of axes of this mesh (docs/DESIGN.md). The `node` axis is the slow one
 (inter-node links); `gpu` enumerates the devices inside a node. Device (n, g) is at `mesh.devices[n, g]`
 and has rank n * G + g. A group of k consecutive ranks (a MiCS partition group, an hpZ secondary group,
 an AMSP shard group) that divides a node or spans whole nodes becomes a set of mesh axes once the mesh
@@ -74,7 +74,7 @@ def owner_index(axes) -> jax.Array:
   """Inside `shard_map`: this device's chunk along `axes`, node-major (device (n, g) owns n * G + g).
 
   A tiled all-gather over `axes` concatenates the chunks in this order, so it returns a leaf in its
-  original order (DESIGN.md, "Parameter layout").
+  original order (docs/DESIGN.md, "Parameter layout").
   """
   return jax.lax.axis_index(tuple(axes))
 

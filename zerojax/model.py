@@ -52,5 +52,5 @@ def call_loss(model: Model, params: dict, batch, rng=None, state=None):
   return loss, aux, state
 
 
-def _identity(tree):
+def identity(tree):
   return tree

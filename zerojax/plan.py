@@ -1,6 +1,6 @@
 """A plan: which mesh axes shard each model-state component, and how each collective is done.
 
-DESIGN.md, "a plan is a choice of mesh axes". The named strategies are constructors of one `Plan`
+docs/DESIGN.md, "A plan is a choice of mesh axes". The named strategies are constructors of one `Plan`
 value driving one executor (`zerojax.executor`):
 
 | plan    | params A_p   | grads A_g    | optimizer states A_os | replica sync            |

@@ -31,18 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerojax import comm
-from zerojax.unit import (
-  ShardedUnit,
-  UnitMeta,
-  _after,
-  _check_collectives,
-  _gather_flats,
-  _reduce,
-  _secondary_shards,
-  _tree,
-  unit,
-)
+from zerojax.unit import (ShardedUnit, UnitMeta, check_collectives, gather_flats, ordered_after, params_tree,
+                          reduce_and_sync, regather, secondary_shards, shard_cotangents, unit)
 
 
 def scan_layers(f: Callable, params: Any, x: Any) -> Any:
@@ -67,7 +57,7 @@ def scan_layers(f: Callable, params: Any, x: Any) -> Any:
     raise ValueError(f"scan_layers got an unscanned unit (leaves without a layer axis) for "
                      f"{getattr(f, '__qualname__', f)}; call it as zerojax.unit(f)(params, x)")
   meta.calls.append(f)
-  _check_collectives(f, meta, [x])
+  check_collectives(f, meta, [x])
   return _prefetched(f, meta, params.shards, params.sinks, x)
 
 
@@ -78,19 +68,19 @@ def _layer(stack: list, i) -> list:
 def _forward(f, meta: UnitMeta, shards: list, x):
   """(output, each layer's input `[L, ...]`, each layer's kept shard `[L, ...]`)."""
   hpz = bool(meta.plan.secondary_axes)
-  w = _gather_flats(meta, _after(_layer(shards, 0), x))  # not before the stack's input exists
+  w = gather_flats(meta, ordered_after(_layer(shards, 0), x))  # not before the stack's input exists
 
   def body(carry, next_shards):
     x, w = carry
-    w_next = _gather_flats(meta, next_shards)  # layer i+1, beside layer i's compute
-    kept = _secondary_shards(meta, w) if hpz else ()
-    return (f(_tree(meta, w), x), w_next), (x, kept)
+    w_next = gather_flats(meta, next_shards)  # layer i+1, beside layer i's compute
+    kept = secondary_shards(meta, w) if hpz else ()
+    return (f(params_tree(meta, w), x), w_next), (x, kept)
 
   (x_last, w), (xs, kept) = lax.scan(body, (x, w), [s[1:] for s in shards])
-  out = f(_tree(meta, w), x_last)
+  out = f(params_tree(meta, w), x_last)
   append = lambda stack, last: jnp.concatenate([stack, last[None]])
   xs = jax.tree.map(append, xs, x_last)
-  kept = [append(k, s) for k, s in zip(kept, _secondary_shards(meta, w))] if hpz else shards
+  kept = [append(k, s) for k, s in zip(kept, secondary_shards(meta, w))] if hpz else shards
   return out, xs, kept
 
 
@@ -107,30 +97,22 @@ def _prefetched_fwd(f, meta, shards, sinks, x):
 
 def _prefetched_bwd(f, meta, residuals, g):
   kept, xs, window = residuals
-  plan = meta.plan
   n = kept[0].shape[0]
-
-  def gather(k):  # hpZ: the secondary shard, inside the node
-    if plan.secondary_axes:
-      return comm.all_gather_unit(k, plan.secondary_axes, hierarchical=plan.hierarchical)
-    return _gather_flats(meta, k, backward=True)
+  gather = lambda k: regather(meta, k)  # hpZ: the secondary shard, inside the node
 
   def vjp(w, x, g):
-    _, pull = jax.vjp(f, _tree(meta, w), x)
+    _, pull = jax.vjp(f, params_tree(meta, w), x)
     return pull(g)  # (layer gradient, input cotangent)
 
-  def reduce(dp, win):
-    ds = _reduce(meta, dp)
-    if win is not None:  # MiCS §3.4: this layer's replica all-reduce, beside the next layer's backward
-      ds = [lax.psum(d + a, meta.sync_axes) for d, a in zip(ds, win)]
-    return ds
+  def reduce(dp, win):  # MiCS §3.4: with `win`, this layer's replica all-reduce beside the next backward
+    return reduce_and_sync(meta, dp, win)[0]
 
   x_at = lambda i: jax.tree.map(lambda a: a[i], xs)
   win = lambda i: None if window is None else _layer(window, i)
   # The first gathers wait for the cotangent: not merged with the forward's, nor hoisted.
-  w = gather(_after(_layer(kept, n - 1), g))
+  w = gather(ordered_after(_layer(kept, n - 1), g))
   if n > 1:
-    w_prev = gather(_after(_layer(kept, n - 2), g))
+    w_prev = gather(ordered_after(_layer(kept, n - 2), g))
   dp, g = vjp(w, x_at(n - 1), g)
   if n == 1:
     dsinks = [d[None] for d in reduce(dp, win(0))]
@@ -150,9 +132,7 @@ def _prefetched_bwd(f, meta, residuals, g):
     dp0, g = vjp(w, x_at(0), g)
     ds0 = reduce(dp0, win(0))
     dsinks = [jnp.concatenate([a[None], b[None], c]) for a, b, c in zip(ds0, ds1, ds_top)]
-  k_p = meta.size(plan.param_axes)
-  dshards = [jnp.zeros((n, l.padded // k_p), plan.param_dtype) for l in meta.leaves]
-  return dshards, dsinks, g
+  return shard_cotangents(meta, n), dsinks, g
 
 
 _prefetched.defvjp(_prefetched_fwd, _prefetched_bwd)

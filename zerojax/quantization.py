@@ -1,6 +1,6 @@
 """Block-wise symmetric quantization for ZeRO++ communication (qwZ and qgZ).
 
-Format (DESIGN.md "Quantized formats"): the input is flattened in C order, zero-padded to a
+Format (docs/DESIGN.md, "Quantized formats"): the input is flattened in C order, zero-padded to a
 multiple of `block`, and cut into blocks of `block` contiguous elements. Each block has one fp32
 scale `absmax(block) / qmax` (qmax = 127 for int8, 7 for int4), rounded up to 17 significant bits,
 and codes `clip(round_half_even(x / scale), -qmax, qmax)`. int8 codes are stored as `int8`; int4
@@ -85,7 +85,7 @@ def _check(bits: int, block: int, rotate: bool = False, name: str = "xla", noise
     raise ValueError(f"block={block} must be even for int4 (two codes per byte)")
 
 
-def _resolve(backend: str | None) -> str:
+def resolve_backend(backend: str | None) -> str:
   name = default_backend() if backend is None else backend
   if name not in BACKENDS:
     raise ValueError(f"backend={name!r}; expected one of {BACKENDS}")
@@ -196,7 +196,7 @@ def quantize(x: jax.Array, bits: int, block: int, *, rotate: bool = False, noise
   References:
     ZeRO++ §3.1 (block-based quantization), §4.2 (quantization kernels). SDP4Bit §3.2 (rotation).
   """
-  name = _resolve(backend)
+  name = resolve_backend(backend)
   _check(bits, block, rotate, name, noise)
   flat = jnp.ravel(x)
   n_pad = -(-flat.shape[0] // block) * block
@@ -229,7 +229,7 @@ def dequantize(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
   References:
     ZeRO++ §3.1, §4.2 (dequantization kernels).
   """
-  name = _resolve(backend)
+  name = resolve_backend(backend)
   _check(bits, block, rotate)
   bp = packed_len(block, bits)
   v_MxBp = jnp.ravel(values).reshape(-1, bp)
@@ -267,7 +267,7 @@ def reorder_quantize(x: jax.Array, nodes: int, gpus: int, bits: int, block: int,
     ZeRO++ §3.3.3 (tensor slice reordering), §4.1.2 Algorithm 2 (generalized to pipeline stages),
     §4.2 (reordering fused into the quantization kernel).
   """
-  name = _resolve(backend)
+  name = resolve_backend(backend)
   _check(bits, block, rotate, name, noise)
   w = nodes * gpus
   total = math.prod(x.shape)
@@ -331,7 +331,7 @@ def dequant_sum_quantize(values: jax.Array, scales: jax.Array, bits: int, block:
     fused in one kernel, 9x less memory traffic in qgZ).
   """
   out_bits = bits if out_bits is None else out_bits
-  name = _resolve(backend)
+  name = resolve_backend(backend)
   _check(bits, block)
   _check(out_bits, block, name=name, noise=noise)
   v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
@@ -357,7 +357,7 @@ def dequant_sum(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
   References:
     ZeRO++ §3.3.2, §4.2.
   """
-  name = _resolve(backend)
+  name = resolve_backend(backend)
   _check(bits, block, rotate)
   v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
   if name == "xla":

@@ -1,6 +1,6 @@
 """The ZeRO unit: a function transformation `f(params, *args) -> f_sharded(unit_shards, *args)`.
 
-DESIGN.md, "The ZeRO unit". Model code calls `unit(f)(params, *args)`. With plain (unsharded) params it
+docs/DESIGN.md, "The ZeRO unit". Model code calls `unit(f)(params, *args)`. With plain (unsharded) params it
 is just `f(params, *args)`, so the same model code gives the single-device reference. Inside the
 executor's `shard_map` the params are a `ShardedUnit`, and the call becomes a `jax.custom_vjp`:
 
@@ -81,7 +81,7 @@ class ShardedUnit:
     return cls(shards, sinks, meta, qgz)
 
 
-def _gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
+def gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
   """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ)."""
   plan = meta.plan
   bits = plan.weight_bits if (not backward or plan.quantize_backward_gather) else None
@@ -90,20 +90,20 @@ def _gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
                               rotate=plan.rotate and bits is not None)
 
 
-def _tree(meta: UnitMeta, flats: list) -> Any:
+def params_tree(meta: UnitMeta, flats: list) -> Any:
   dtype = meta.plan.compute_dtype or meta.plan.param_dtype
   return jax.tree.unflatten(meta.treedef, [trim_flat(f, l).astype(dtype)
                                            for f, l in zip(flats, meta.leaves)])
 
 
-def _secondary_shards(meta: UnitMeta, flats: list) -> list:
+def secondary_shards(meta: UnitMeta, flats: list) -> list:
   """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""
   axes = meta.plan.secondary_axes
   k, idx = meta.size(axes), owner_index(axes)
   return [lax.dynamic_index_in_dim(f.reshape(k, -1), idx, keepdims=False) for f in flats]
 
 
-def _reduce(meta: UnitMeta, grads: Any, qgz: tuple = (None, None)):
+def reduce_grads(meta: UnitMeta, grads: Any, qgz: tuple = (None, None)):
   """The reduced gradient chunks; with error feedback `(chunks, new error)`."""
   plan = meta.plan
   dtype = jnp.dtype(plan.reduce_dtype)
@@ -124,13 +124,46 @@ def _reduce(meta: UnitMeta, grads: Any, qgz: tuple = (None, None)):
                                          **fidelity)
 
 
+def kept_shards(meta: UnitMeta, shards: list, flats: list) -> list:
+  """What a unit keeps of its weights for the backward: the primary shard, or with hpZ the secondary
+  shard of the (dequantized) gathered weights, so the backward uses exactly the forward's weights."""
+  return secondary_shards(meta, flats) if meta.plan.secondary_axes else shards
+
+
+def regather(meta: UnitMeta, kept: list) -> list:
+  """The backward's gather of the kept shards: over the secondary axes inside the node (hpZ, ZeRO++
+  §3.2), else over A_p like the forward (quantized when `quantize_backward_gather`)."""
+  if meta.plan.secondary_axes:
+    return comm.all_gather_unit(kept, meta.plan.secondary_axes, hierarchical=meta.plan.hierarchical)
+  return gather_flats(meta, kept, backward=True)
+
+
+def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, qgz: tuple = (None, None)):
+  """`(reduced chunks, new error-feedback state or None)`: the gradient reduced over A_g; with `window`
+  (the accumulated sinks of the window's last micro-step) also all-reduced over the replica axes, the
+  sync of MiCS §3.4 overlapped with the rest of the backward."""
+  dsinks, error = reduce_grads(meta, dparams, qgz), None
+  if qgz[0] is not None:  # error feedback: the new errors travel out as the cotangent of the old ones
+    dsinks, error = dsinks
+  if window is not None:
+    dsinks = [lax.psum(d + w, meta.sync_axes) for d, w in zip(dsinks, window)]
+  return dsinks, error
+
+
+def shard_cotangents(meta: UnitMeta, layers: int | None = None) -> list:
+  """Zero cotangents of the parameter shards: the gradient leaves through the sinks."""
+  k_p = meta.size(meta.plan.param_axes)
+  lead = () if layers is None else (layers,)
+  return [jnp.zeros(lead + (l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _sharded_call(f, meta, shards, sinks, qgz, *args):
   del sinks, qgz
-  return f(_tree(meta, _gather_flats(meta, shards)), *args)
+  return f(params_tree(meta, gather_flats(meta, shards)), *args)
 
 
-def _after(tree, dep):
+def ordered_after(tree, dep):
   """`tree` plus a zero computed from `dep`: a data dependency XLA keeps (the CPU pipeline drops
   optimization barriers before CSE and loop-invariant code motion). A unit's gathers then run only once
   its input (forward) or its cotangent (backward) exists, so an unscanned unit's full weights are neither
@@ -147,15 +180,15 @@ def _after(tree, dep):
 
 
 def _sharded_fwd(f, meta, shards, sinks, qgz, *args):
-  flats = _gather_flats(meta, _after(shards, args))
+  flats = gather_flats(meta, ordered_after(shards, args))
   # Residual: the primary shard, or with hpZ the secondary shard of the (dequantized) gathered weights,
   # so the backward uses exactly the forward's weights. Never the full gathered weights.
-  kept = _secondary_shards(meta, flats) if meta.plan.secondary_axes else shards
+  kept = kept_shards(meta, shards, flats)
   window = sinks if meta.sync_axes else None
   mode = meta.plan.remat_mode
   if mode == "full":  # the backward recomputes the forward from the inputs
-    return f(_tree(meta, flats), *args), (kept, args, window, qgz)
-  out, saved = remat.forward(f, mode, _tree(meta, flats), *args)  # activations, no weights
+    return f(params_tree(meta, flats), *args), (kept, args, window, qgz)
+  out, saved = remat.forward(f, mode, params_tree(meta, flats), *args)  # activations, no weights
   return out, (kept, saved, window, qgz)
 
 
@@ -164,25 +197,15 @@ def _sharded_bwd(f, meta, residuals, g):
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
   # gather (keeping full weights alive across the whole step) nor hoist it early.
   kept, g = lax.optimization_barrier((kept, g))
-  kept = _after(kept, g)
-  if meta.plan.secondary_axes:
-    flats = comm.all_gather_unit(kept, meta.plan.secondary_axes, hierarchical=meta.plan.hierarchical)
-  else:
-    flats = _gather_flats(meta, kept, backward=True)
+  flats = regather(meta, ordered_after(kept, g))
   if isinstance(args, remat.Saved):  # remat "dots" / "none": the forward's vjp, re-gathered weights in
-    vjp = args.vjp_with(_tree(meta, flats))
+    vjp = args.vjp_with(params_tree(meta, flats))
   else:
-    _, vjp = jax.vjp(f, _tree(meta, flats), *args)
+    _, vjp = jax.vjp(f, params_tree(meta, flats), *args)
   dparams, *dargs = vjp(g)
-  k_p = meta.size(meta.plan.param_axes)
-  dshards = [jnp.zeros((l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]
-  dsinks, error = _reduce(meta, dparams, qgz), None
-  if qgz[0] is not None:  # error feedback: the new errors travel out as the cotangent of the old ones
-    dsinks, error = dsinks
-  if meta.sync_axes:  # the replica all-reduce of this layer, while earlier layers' backward runs
-    dsinks = [lax.psum(d + w, meta.sync_axes) for d, w in zip(dsinks, window)]
+  dsinks, error = reduce_and_sync(meta, dparams, window, qgz)
   seed = None if qgz[1] is None else np.zeros(qgz[1].shape, jax.dtypes.float0)
-  return (dshards, dsinks, (error, seed), *dargs)
+  return (shard_cotangents(meta), dsinks, (error, seed), *dargs)
 
 
 _sharded_call.defvjp(_sharded_fwd, _sharded_bwd)
@@ -229,7 +252,7 @@ def _collective_axes(jaxpr) -> set:
   return found
 
 
-def _check_collectives(f, meta: UnitMeta, arrays) -> None:
+def check_collectives(f, meta: UnitMeta, arrays) -> None:
   """Raises if `f` calls a collective over an axis of the mesh (zerojax's own) or an unbound one."""
   dtype = meta.plan.compute_dtype or meta.plan.param_dtype
   tree = jax.tree.unflatten(meta.treedef, [jax.ShapeDtypeStruct(l.shape, dtype) for l in meta.leaves])
@@ -272,7 +295,7 @@ def unit(f: Callable) -> Callable:
       leaves, treedef = jax.tree.flatten((args, kwargs))
       g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))
       arrays = [x for x in leaves if _is_array(x)]
-      _check_collectives(g, params.meta, arrays)
+      check_collectives(g, params.meta, arrays)
       return _sharded_call(g, params.meta, params.shards, params.sinks, params.qgz, *arrays)
     return f(params, *args, **kwargs)
   return apply

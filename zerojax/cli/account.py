@@ -20,7 +20,7 @@ from zerojax.analysis import (collectives_from_hlo, render_collectives, render_t
                               step_hlo, step_report, summarize)
 
 
-def _gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):
+def gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):
   """Parses the gin config as `train.py` does and builds its executor; returns it with `train`'s args."""
   import gin
 
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     if jax.device_count() < nodes * gpus:
       raise SystemExit(f"error: a {nodes}x{gpus} mesh needs {nodes * gpus} devices, but jax has "
                        f"{jax.device_count()}; use --mesh with at most that many")
-    ex, train_args, cfg = _gin_executor(args.gin_file, args.gin_param, nodes)
+    ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param, nodes)
     if ex.mesh.size != nodes * gpus:
       raise SystemExit(f"error: the mesh is {dict(ex.mesh.shape)}, not {nodes}x{gpus}; run with exactly "
                        f"{nodes * gpus} devices")

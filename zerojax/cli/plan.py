@@ -48,10 +48,10 @@ def main(argv=None) -> int:
   import dataclasses
 
   from zerojax import planner
-  from zerojax.cli.account import _gin_executor
+  from zerojax.cli.account import gin_executor
   from zerojax.planner import compute as compute_lib, profile as profile_lib
 
-  ex, train_args, cfg = _gin_executor(args.gin_file, args.gin_param + ["train.plan=@zero3()"], nodes)
+  ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param + ["train.plan=@zero3()"], nodes)
   batch = np.zeros((ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1), np.int32)
   dtypes = {"param_dtype": ex.plan.param_dtype, "compute_dtype": ex.plan.compute_dtype}
   make = lambda p: type(ex)(ex.model, ex.user_optimizer, dataclasses.replace(p, **dtypes), ex.mesh,

@@ -238,12 +238,12 @@ def parameters_help() -> str:
                                        "grad_bits": "qgZ: bits of the gradient reduction (None: off)"})
   fields = _docs(plan_lib.Plan, "Attributes:")
   for name, p in inspect.signature(plan_lib.Plan).parameters.items():
-    if name not in ("name", "param_axes", "grad_axes", "opt_axes"):
+    if name not in ("name", "param_axes", "grad_axes", "opt_axes", "param_dtype", "compute_dtype"):
       rows.append((f"PLAN.{name} = {p.default!r}", fields.get(name, "")))
   width = max(len(r[0]) for r in rows) + 2
   body = "\n".join(f"  {a.ljust(width)}{b}".rstrip() for a, b in rows)
   return ("gin parameters (--gin_param='NAME=VALUE'), with their defaults; configs/base.gin sets some of "
-          f"them. PLAN is the plan's constructor: {', '.join(plan_lib.PLANS)} (e.g. zero3.param_dtype):\n{body}")
+          f"them. PLAN is the plan's constructor: {', '.join(plan_lib.PLANS)} (e.g. zero3.reduce_dtype):\n{body}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """All-gathers of one ZeRO unit's parameters, flat or quantized (qwZ), for `jax.shard_map` bodies.
 
 All leaves of a unit are packed into one buffer, so a unit costs one all-gather per direction (FSDP's
-unit; DESIGN.md "Parameter layout"). Shapes are per device; `k` is the number of devices along the
+unit; docs/DESIGN.md, "Parameter layout"). Shapes are per device; `k` is the number of devices along the
 collective's axes and `C` the packed chunk length.
 
 References:

@@ -1,6 +1,6 @@
 """qgZ: 2-hop quantized all-to-all gradient reduction (ZeRO++ §3.3, §4.1.2).
 
-For a mesh of N nodes x G gpus (W = N·G) and an owner chunk of c elements (DESIGN.md, "qgZ step by
+For a mesh of N nodes x G gpus (W = N·G) and an owner chunk of c elements (docs/DESIGN.md, "qgZ step by
 step"): the local full gradient `[W*c]`, viewed `[N, G, c]` with owner (n', g') at [n', g'], is reordered
 to `[G, N, c]` (the paper's tensor-slice reordering, eq. 1 -> 2) and quantized; an all-to-all over `gpu`
 gives each GPU the G slabs `[N, c]` its node-mates hold for the owners (*, g); it dequantizes them, sums

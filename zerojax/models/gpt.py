@@ -50,12 +50,12 @@ class Block(nn.Module):
     return x + nn.Dense(d, name="out")(jax.nn.gelu(h))
 
 
-def _embed(p, tokens):
+def embed_tokens(p, tokens):
   t = tokens.shape[1]
   return p["wte"][tokens] + p["wpe"][:t][None]
 
 
-def _head_loss(p, x, targets):
+def head_loss(p, x, targets):
   """Final LayerNorm, output projection and mean cross-entropy (fp32 logits)."""
   h = nn.LayerNorm().apply({"params": p["ln_f"]}, x)
   logits = (h @ p["w_out"]).astype(jnp.float32)
@@ -80,7 +80,7 @@ def gpt(cfg: GPTConfig = GPTConfig()) -> Model:
     }
 
   block_fn = lambda p, x: block.apply({"params": p}, x)
-  embed_fn, head_fn = unit(_embed), unit(_head_loss)
+  embed_fn, head_fn = unit(embed_tokens), unit(head_loss)
 
   def loss(params, tokens):
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

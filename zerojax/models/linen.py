@@ -33,7 +33,7 @@ ROOT = "_root"
 
 
 @jax.tree_util.register_pytree_node_class
-class _ShardLeaf:
+class ShardLeaf:
   """A unit parameter inside the executor: its local shard and gradient sink, where flax expects the
   parameter. Flax's own transforms (`nn.scan`, `nn.remat`) slice and carry it like any pytree; using it as
   an array outside the unit's call is an error."""
@@ -59,8 +59,8 @@ def linen_rngs(rng, names: Sequence[str]) -> dict:
   return {} if rng is None else {n: jax.random.fold_in(rng, i) for i, n in enumerate(names)}
 
 
-def _to_dict(tree):
-  return {k: _to_dict(v) for k, v in tree.items()} if isinstance(tree, Mapping) else tree
+def to_dict(tree):
+  return {k: to_dict(v) for k, v in tree.items()} if isinstance(tree, Mapping) else tree
 
 
 def _get(tree, path):
@@ -69,9 +69,9 @@ def _get(tree, path):
   return tree
 
 
-def _split_user(tree, paths: dict) -> dict:
+def split_user(tree, paths: dict) -> dict:
   """The user's params tree -> `{ROOT: the rest, unit name: subtree}` (any leaves)."""
-  tree = _to_dict(tree)
+  tree = to_dict(tree)
   units = {name: _get(tree, p) for name, p in paths.items()}
 
   def rest(t, prefix):
@@ -89,9 +89,9 @@ def _split_user(tree, paths: dict) -> dict:
   return ({ROOT: root} if jax.tree.leaves(root) else {}) | units
 
 
-def _merge_user(units: dict, paths: dict) -> dict:
-  """Inverse of `_split_user`."""
-  tree = _to_dict(units.get(ROOT, {}))
+def merge_user(units: dict, paths: dict) -> dict:
+  """Inverse of `split_user`."""
+  tree = to_dict(units.get(ROOT, {}))
   for name, p in paths.items():
     node = tree
     for k in p[:-1]:
@@ -166,15 +166,15 @@ def _interceptor(metas: dict, mutable):
     meta = metas.get(tuple(m.path)) if m.scope is not None and ctx.method_name != "setup" else None
     if meta is None or not callable(getattr(type(m), ctx.method_name, None)):
       return next_fun(*args, **kwargs)
-    leaves = jax.tree.leaves(m.variables.get("params", {}), is_leaf=lambda x: isinstance(x, _ShardLeaf))
+    leaves = jax.tree.leaves(m.variables.get("params", {}), is_leaf=lambda x: isinstance(x, ShardLeaf))
     # Only a call with one layer's shards: an nn.scan-ed unit is intercepted inside flax's scan.
-    if not leaves or not all(isinstance(l, _ShardLeaf) and l.shard.ndim == 1 for l in leaves):
+    if not leaves or not all(isinstance(l, ShardLeaf) and l.shard.ndim == 1 for l in leaves):
       return next_fun(*args, **kwargs)
     return _unit_call(ctx, meta, leaves, mutable, args, kwargs)
   return intercept
 
 
-def _sds(x):
+def shape_struct(x):
   return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
 
 
@@ -206,7 +206,7 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
   """
   check_linen_module(module)
   units, mutable, rngs = tuple(units), tuple(mutable), tuple(rngs)
-  example = jax.tree.map(_sds, example_batch)
+  example = jax.tree.map(shape_struct, example_batch)
 
   def init_variables(rng):
     k_init, k_loss = jax.random.split(rng)
@@ -223,7 +223,7 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
     out = loss_fn(apply, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), example), k_loss)
     if "v" not in box:
       raise ValueError("loss_fn never called `apply`; it must run the module through it")
-    return _to_dict(box["v"]), out
+    return to_dict(box["v"]), out
 
   calls = {}
 
@@ -232,7 +232,7 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
     m = ctx.module
     path = tuple(m.path) if m.scope is not None else ()
     if path and ctx.method_name != "setup" and _matches(m, path, units):
-      calls.setdefault(path, jax.tree.map(np.shape, _to_dict(m.variables.get("params", {}))))
+      calls.setdefault(path, jax.tree.map(np.shape, to_dict(m.variables.get("params", {}))))
     return out
 
   with nn.intercept_methods(record), rng_streams(rngs), bound_axes():
@@ -259,20 +259,20 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
     raise ValueError(f"no submodule matches units={units}; name module types or paths of `module`")
 
   def init(rng):
-    return _split_user(init_variables(rng)[0].get("params", {}), paths)
+    return split_user(init_variables(rng)[0].get("params", {}), paths)
 
   def init_state(rng):
     return {c: v for c, v in init_variables(rng)[0].items() if c != "params"}
 
   def loss(params, batch, rng, state):
     state = dict(state or {})
-    tree, metas, sharded = _user_tree(params, paths)
+    tree, metas, sharded = user_tree(params, paths)
 
     def apply(*args, **kwargs):
       ctx = nn.intercept_methods(_interceptor(metas, mutable)) if sharded else contextlib.nullcontext()
       with ctx:
         out, updates = _apply(module, {"params": tree, **state}, args, kwargs, linen_rngs(rng, rngs), mutable)
-      state.update(_to_dict(updates))
+      state.update(to_dict(updates))
       return out
 
     return loss_fn(apply, batch, rng), state
@@ -280,31 +280,31 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
   # A trial training step on the plain parameters: the rng streams the module draws and the loss's form.
   state = {c: v for c, v in variables.items() if c != "params"}
   with rng_streams(rngs), bound_axes():
-    out = jax.eval_shape(lambda p, b, r, s: loss(p, b, r, s)[0], _split_user(params, paths), example,
+    out = jax.eval_shape(lambda p, b, r, s: loss(p, b, r, s)[0], split_user(params, paths), example,
                          jax.random.key(0), state)
   has_aux = check_loss_output(out)
   return Model(init=init, loss=loss, scanned=frozenset(scanned), has_aux=has_aux, rng=True,
-               init_state=init_state, to_user=lambda t: _merge_user(t, paths),
-               from_user=lambda t: _split_user(t, paths), example_batch=example)
+               init_state=init_state, to_user=lambda t: merge_user(t, paths),
+               from_user=lambda t: split_user(t, paths), example_batch=example)
 
 
 def _is_shape(x) -> bool:
   return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
-def _user_tree(params: dict, paths: dict):
+def user_tree(params: dict, paths: dict):
   """The user's tree from the executor's `{unit: params}`, the units' metas by module path, and whether
-  the params are sharded (inside the executor: each named unit's leaves become `_ShardLeaf`s, the root
+  the params are sharded (inside the executor: each named unit's leaves become `ShardLeaf`s, the root
   unit is gathered whole)."""
   sharded = any(isinstance(v, ShardedUnit) for v in params.values())
   if not sharded:
-    return _merge_user(params, paths), {}, False
+    return merge_user(params, paths), {}, False
   metas, tree = {}, {ROOT: unit(_identity)(params[ROOT])} if ROOT in params else {}
   for name, su in params.items():
     if name != ROOT:
       metas[paths[name]] = su.meta
-      tree[name] = jax.tree.unflatten(su.meta.treedef, [_ShardLeaf(a, b) for a, b in zip(su.shards, su.sinks)])
-  return _merge_user(tree, paths), metas, True
+      tree[name] = jax.tree.unflatten(su.meta.treedef, [ShardLeaf(a, b) for a, b in zip(su.shards, su.sinks)])
+  return merge_user(tree, paths), metas, True
 
 
 def _identity(tree):

@@ -28,7 +28,7 @@ from flax import nnx
 
 from zerojax.executor import Model
 from zerojax.models.checks import check_loss_output, check_nnx_module
-from zerojax.models.linen import (_ShardLeaf, _merge_user, _user_tree, _sds, _split_user, _to_dict,
+from zerojax.models.linen import (ShardLeaf, merge_user, user_tree, shape_struct, split_user, to_dict,
                                   linen_rngs)
 from zerojax.unit import ShardedUnit, unit
 
@@ -100,7 +100,7 @@ def _intercept(instances: dict):
 def _unit_call(module, meta, orig, args, kwargs):
   gdef, params, rest = nnx.split(module, nnx.Param, ...)
   pure = nnx.to_pure_dict(params)
-  leaves = jax.tree.leaves(pure, is_leaf=lambda x: isinstance(x, _ShardLeaf))
+  leaves = jax.tree.leaves(pure, is_leaf=lambda x: isinstance(x, ShardLeaf))
 
   def run(p, rest, *a, **k):
     # Values may arrive as numpy constants (e.g. residuals), which NNX would update in place.
@@ -136,14 +136,14 @@ def from_nnx(module: nnx.Module | Callable[[nnx.Rngs], nnx.Module], example_batc
   check_nnx_module(module)
   units, rngs = tuple(units), tuple(rngs)
   cols = _collections(mutable)
-  example = jax.tree.map(_sds, example_batch)
+  example = jax.tree.map(shape_struct, example_batch)
   build = module if not isinstance(module, nnx.Module) else None
 
   def split(m):  # graphdef, params, {collection: state}, the rest
     graphdef, params, *states, rest = nnx.split(m, nnx.Param, *cols.values(), ...)
     return graphdef, params, dict(zip(cols, states)), rest
 
-  pure = lambda states: {c: _to_dict(nnx.to_pure_dict(v)) for c, v in states.items()}
+  pure = lambda states: {c: to_dict(nnx.to_pure_dict(v)) for c, v in states.items()}
 
   def make(rng):
     keys = jax.random.split(rng, len(rngs) + 1)
@@ -161,19 +161,19 @@ def from_nnx(module: nnx.Module | Callable[[nnx.Rngs], nnx.Module], example_batc
     raise ValueError(f"no submodule matches units={units}; name module types or paths of the module")
   if not build:
     _, p_val, m_val, _ = split(module)
-    p_val, m_val = _to_dict(nnx.to_pure_dict(p_val)), pure(m_val)
+    p_val, m_val = to_dict(nnx.to_pure_dict(p_val)), pure(m_val)
 
   def init(rng):
     if build:
-      return _split_user(_to_dict(nnx.to_pure_dict(split(make(rng))[1])), paths)
-    return _split_user(p_val, paths)
+      return split_user(to_dict(nnx.to_pure_dict(split(make(rng))[1])), paths)
+    return split_user(p_val, paths)
 
   def init_state(rng):
     return pure(split(make(rng))[2]) if build else m_val
 
   def loss(params, batch, rng, state):
     box = {"state": state}
-    tree, metas, sharded = _user_tree(params, paths)
+    tree, metas, sharded = user_tree(params, paths)
 
     def apply(*args, **kwargs):
       states = [_with_values(m_abs[c], box["state"][c]) for c in cols]
@@ -186,7 +186,7 @@ def from_nnx(module: nnx.Module | Callable[[nnx.Rngs], nnx.Module], example_batc
           instances[id(node)] = (node, metas[tuple(path)])
       with _intercept(instances) if instances else contextlib.nullcontext():
         out = m(*args, **kwargs)
-      box["state"] = {c: _to_dict(nnx.to_pure_dict(nnx.state(m, t))) for c, t in cols.items()}
+      box["state"] = {c: to_dict(nnx.to_pure_dict(nnx.state(m, t))) for c, t in cols.items()}
       return out
 
     return loss_fn(apply, batch, rng), box["state"]
@@ -196,5 +196,5 @@ def from_nnx(module: nnx.Module | Callable[[nnx.Rngs], nnx.Module], example_batc
                        else jax.eval_shape(init_state, jax.random.key(0)), example, jax.random.key(0))
   has_aux = check_loss_output(out)
   return Model(init=init, loss=loss, scanned=frozenset(), has_aux=has_aux, rng=True, init_state=init_state,
-               to_user=lambda t: _merge_user(t, paths), from_user=lambda t: _split_user(t, paths),
+               to_user=lambda t: merge_user(t, paths), from_user=lambda t: split_user(t, paths),
                example_batch=example)

@@ -44,7 +44,7 @@ def workload(executor, compute_s: float = 0.0, activation_bytes: int = 0) -> Wor
   for u in tree:
     leaves = jax.tree.leaves(tree[u], is_leaf=lambda x: hasattr(x, "padded"))
     units.append((sum(l.size for l in leaves), leaves[0].layers or 1))
-  opt = jax.eval_shape(executor.optimizer.init, executor._flat_shapes())
+  opt = jax.eval_shape(executor.optimizer.init, executor.flat_shapes())
   numel = sum(l.padded * (l.layers or 1) for l in executor.layout.leaves)
   opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt) if x.ndim)
   return Workload(tuple(units), executor.accum_steps, np.dtype(executor.plan.param_dtype).itemsize,

@@ -117,7 +117,7 @@ class _Spec:
   """How one executor's train state maps to the stored tree and back."""
 
   def __init__(self, executor):
-    shapes = jax.eval_shape(executor._init_from_flat, executor._flat_shapes())
+    shapes = jax.eval_shape(executor.init_from_flat, executor.flat_shapes())
     self.shardings = executor.shardings(shapes)
     by_path = {path_names(p): lay for p, lay in jax.tree_util.tree_flatten_with_path(
         executor.layout.tree(), is_leaf=layout_lib.is_layout)[0]}

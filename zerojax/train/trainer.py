@@ -53,9 +53,30 @@ class NonFiniteError(RuntimeError):
   pass
 
 
+PRECISION = ("param_dtype", "compute_dtype")  # the run's precision: `train.*` in gin, for every plan
+
+
+def with_precision(plan: Plan, param_dtype: str | None = None, compute_dtype: str | None = None) -> Plan:
+  """`plan` with the run's precision (`train.param_dtype`, `train.compute_dtype`; None keeps the plan's).
+
+  The precision has one channel in gin, `train.*` (the plan constructors refuse these fields there:
+  `zerojax.train.gin_registry`); a plan built in Python that sets another value itself is refused.
+  """
+  defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
+  for field, value in zip(PRECISION, (param_dtype, compute_dtype)):
+    own = getattr(plan, field)
+    if value is None or own == value:
+      continue
+    if own != defaults[field]:
+      raise ValueError(f"plan {plan.name!r} sets {field}={own!r} but train.{field}={value!r}; set the precision "
+                       f"in one place: train.{field} (or train.{field}=None to keep the plan's)")
+    plan = dataclasses.replace(plan, **{field: value})
+  return plan
+
+
 def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
           pad_multiple: int = 256, param_dtype: str | None = None, compute_dtype: str | None = None,
-          secondary_group: int | None = None, batch_size: int = 32, model: str | None = None) -> Executor:
+          batch_size: int = 32, model: str | None = None) -> Executor:
   """The executor `train` runs: the gin-configured GPT (or the user's `model`) and optimizer under `plan`
   on a fresh mesh.
 
@@ -65,12 +86,7 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
   if isinstance(plan, planner.Auto):
     return _auto(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
                  param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model)
-  if param_dtype is not None:
-    plan = dataclasses.replace(plan, param_dtype=param_dtype)
-  if compute_dtype is not None:
-    plan = dataclasses.replace(plan, compute_dtype=compute_dtype)
-  if secondary_group is not None:
-    plan = dataclasses.replace(plan, secondary_axes=secondary_group)
+  plan = with_precision(plan, param_dtype, compute_dtype)
   mesh = make_mesh(num_nodes or default_num_nodes())
   cfg = model_config()
   net = gpt(cfg) if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
@@ -98,8 +114,7 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
           batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
           eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
           max_consecutive_skips: int = 5, max_data_bytes: int = 64 * 2**20, pad_multiple: int = 256,
-          param_dtype: str | None = None, compute_dtype: str | None = None,
-          secondary_group: int | None = None, export: bool = False,
+          param_dtype: str | None = None, compute_dtype: str | None = None, export: bool = False,
           progress: bool = True, model: str | None = None) -> dict:
   """Trains the GPT model (or your own, `model`) on byte-level text under `plan`; writes metrics to `workdir`.
 
@@ -129,9 +144,9 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     max_consecutive_skips: stop after this many steps in a row with non-finite loss or gradients.
     max_data_bytes: read at most this many bytes of the corpus.
     pad_multiple: leaves are padded to a multiple of devices x this (the quantization block).
-    param_dtype: overrides the plan's parameter dtype on the wire and in compute (None keeps it).
-    compute_dtype: overrides the plan's compute dtype (None keeps it).
-    secondary_group: devices per hpZ group when it is not one node (factors the mesh, see `make_mesh`).
+    param_dtype: the run's parameter dtype on the wire and in compute, for every plan (`Plan.param_dtype`;
+      None keeps the plan's). The one place to set it in gin: the plan constructors refuse it.
+    compute_dtype: the run's compute dtype, for every plan (`Plan.compute_dtype`; None keeps the plan's).
     export: write the final logical parameters to `workdir/params.npz`.
     progress: show a progress bar.
     model: a model of your own instead of the GPT: "path/to/file.py:function" or "package.module:function"
@@ -161,13 +176,12 @@ def _finite(x):
 
 def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, checkpoint_every,
            keep_checkpoints, batch_size, accum_steps, num_nodes, seed, eval_every, eval_batches, log_every,
-           max_consecutive_skips, max_data_bytes, pad_multiple, param_dtype, compute_dtype, secondary_group,
+           max_consecutive_skips, max_data_bytes, pad_multiple, param_dtype, compute_dtype,
            export, progress, model) -> dict:
   cfg = model_config()
   allowed = config_lib.check_allowed(allow_changed)
   ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
-             param_dtype=param_dtype, compute_dtype=compute_dtype, secondary_group=secondary_group,
-             batch_size=batch_size, model=model)
+             param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model)
   plan, mesh = ex.plan, ex.mesh
   ex.check_batch((accum_steps, batch_size, cfg.seq_len + 1))  # fail before loading any data
   dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes, seq_len=cfg.seq_len)
