@@ -181,6 +181,7 @@ def _mean_grad(plan, steps=3):
   return grads, helpers.reference_grads(model, params, batch), ex, state
 
 
+@pytest.mark.slow  # the int4 options against jax.grad in the fast suite: the other tests here
 def test_int4_combination_tracks_jax_grad_better_than_plain_int4():
   """Three steps at the same params. Plain int4 repeats its error (measured about 0.29 relative L2); the
   combination of int8/int4 hops and rotation has a smaller one each step (hops alone measured 0.17,

@@ -164,6 +164,7 @@ def test_loss_using_params_outside_a_unit(mesh):
 
 # -- checkpoints of the statistics and the rng ---------------------------------------------------
 
+@pytest.mark.slow  # checkpoint round trips in the fast suite: test_checkpoint.py
 def test_checkpoint_restores_batch_stats_and_rng(tmp_path, mesh):
   """Save after one step, restore under another plan: bitwise the same logical state (rng and
   batch_stats included), and the next step gives the same loss and statistics as the original run."""

@@ -79,6 +79,7 @@ def test_gradients_equal_single_device_grad(shape, k, model_and_ref):
   assert helpers.rel_l2(got, want) < 1e-5
 
 
+@pytest.mark.slow  # MiCS against jax.grad in the fast suite: test_executor.py, test_gradients_equal_single_device_grad
 def test_multi_step_training_equals_dp(model_and_ref):
   mesh = zerojax.make_mesh(4, 2)
   opt = helpers.optimizer("sgd")
@@ -93,7 +94,7 @@ def run(plan, mesh, opt, steps=2, accum=2):
   return run_executor(plan, mesh, opt, steps=steps, accum=accum)
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", helpers.sweep([2, 4], [4]))
 def test_replicas_hold_bitwise_equal_shards(k):
   """Property 3: after optimizer steps, members of a replication group hold identical shards."""
   ex, state, _, _ = run(plans.mics(group_size=k, param_dtype="float32"), zerojax.make_mesh(2, 4),
@@ -162,8 +163,9 @@ def test_hierarchical_and_flat_plans_train_bitwise_alike(model_and_ref):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("kw,bound", [(dict(grad_bits=8), 0.03), (dict(weight_bits=8, grad_bits=8), 0.07),
-                                      (dict(secondary_axes=("gpu",)), 1e-5)])
+@pytest.mark.parametrize("kw,bound", helpers.sweep(
+    [(dict(grad_bits=8), 0.03), (dict(weight_bits=8, grad_bits=8), 0.07), (dict(secondary_axes=("gpu",)), 1e-5)],
+    [(dict(weight_bits=8, grad_bits=8), 0.07)]))
 def test_zeropp_techniques_inside_a_group_that_spans_nodes(kw, bound, model_and_ref):
   """qgZ's 2-hop all-to-all inside a 2-node group (intra-node hop, then across the group's nodes), qwZ
   on the hierarchical gather, hpZ's node-local secondary gather: against jax.grad, with the all-to-alls
@@ -181,6 +183,7 @@ def test_zeropp_techniques_inside_a_group_that_spans_nodes(kw, bound, model_and_
   assert all(any(set(g) <= p for p in parts) for c in a2a for g in c.replica_groups)
 
 
+@pytest.mark.slow  # restores across plans in the fast suite: test_checkpoint.py
 def test_checkpoint_restores_across_group_sizes_bitwise(tmp_path):
   ex4, st4, _, _ = run(plans.mics(group_size=4, param_dtype="float32"), zerojax.make_mesh(2, 4),
                        helpers.optimizer("adamw"))
@@ -221,8 +224,8 @@ def test_factoring_names_groups_by_size():
     mesh_lib.factor(zerojax.make_mesh(1, 6, devices=jax.devices()[:6]), [2, 3])
 
 
-@pytest.mark.parametrize("plan,accum", [(plans.mics(group_size=4), 2), (plans.mics(group_size=2), 1),
-                                        (plans.dp(), 2)])
+@pytest.mark.parametrize("plan,accum", helpers.sweep([(plans.mics(group_size=4), 2), (plans.mics(group_size=2), 1),
+                                                     (plans.dp(), 2)], [(plans.mics(group_size=2), 1)]))
 def test_sync_in_backward_gives_the_same_bits_and_one_all_reduce_per_unit(plan, accum, model_and_ref):
   """The replica all-reduce inside the last micro-step's backward: the gradient of the sync after the
   window (up to float reassociation: the last micro-step is compiled outside the micro-batch loop, so

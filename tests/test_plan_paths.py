@@ -21,6 +21,7 @@ def setup():
   return (zerojax.make_mesh(2, 4), *helpers.reference_case())
 
 
+@pytest.mark.slow  # Pallas = XLA bitwise in the fast suite: test_quantization.py
 def test_pallas_backend_is_bitwise_xla_through_the_executor(setup):
   mesh, model, params, batch, _ = setup
   plan = plans.zeropp(param_dtype="float32", weight_bits=8, grad_bits=4, qgz_stages=2)
@@ -31,7 +32,7 @@ def test_pallas_backend_is_bitwise_xla_through_the_executor(setup):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("field", ["weight_block", "grad_block"])
+@pytest.mark.parametrize("field", helpers.sweep(["weight_block", "grad_block"], ["weight_block"]))
 def test_non_blocked_quantization_trains_within_its_bound(setup, field):
   """Block 0 = one scale per shard (ZeRO++ §3.1's baseline): a valid, coarser quantization. Its gradient
   error is larger than the blocked one's and bounded (8 bits, relative L2 error of the whole gradient:
@@ -49,6 +50,7 @@ def test_non_blocked_quantization_trains_within_its_bound(setup, field):
   assert 1e-3 < err_blocked < err_whole < bound, (err_blocked, err_whole)
 
 
+@pytest.mark.slow  # ZeRO++ gathers against jax.grad bounds in the fast suite: test_zeropp.py
 def test_unquantized_backward_gather(setup):
   """qwZ without hpZ and `quantize_backward_gather=False`: the forward gathers int8, the backward re-gathers
   the parameters themselves (read from the compiled program), and the gradient stays within qwZ's bound
@@ -86,7 +88,7 @@ def _nan_grad_model():
   return zerojax.Model(init, loss)
 
 
-@pytest.mark.parametrize("grad_bits", [4, 8])
+@pytest.mark.parametrize("grad_bits", helpers.sweep([4, 8], [4]))
 def test_nan_gradient_through_qgz_skips_the_step(grad_bits):
   mesh = zerojax.make_mesh(2, 4)
   model = _nan_grad_model()

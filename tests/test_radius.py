@@ -109,7 +109,7 @@ def run_radius(plan, mesh, opt, batches, accum=2, params=None):
   return ex, params, state, out
 
 
-@pytest.fixture(scope="module", params=list(PLANS))
+@pytest.fixture(scope="module", params=helpers.sweep(list(PLANS), ["mics4"]))
 def against_reference(request):
   make, shape, replicas = PLANS[request.param]
   opt = helpers.optimizer("sgd")
@@ -170,8 +170,8 @@ def dense_mics():
   return init, batches, jax.tree.map(np.asarray, (state.params, state.opt_state)), got
 
 
-@pytest.mark.parametrize("sync", [plans.radius(density=1.0, period=3, dense_steps=1),
-                                  plans.radius(density=0.3, period=1),
+@pytest.mark.parametrize("sync", [pytest.param(plans.radius(density=1.0, period=3, dense_steps=1), marks=pytest.mark.slow),
+                                  pytest.param(plans.radius(density=0.3, period=1), marks=pytest.mark.slow),
                                   plans.radius(density=0.3, period=2, dense_steps=4)],
                          ids=["density_1", "period_1", "before_the_switch"])
 def test_bitwise_equal_to_dense(sync, dense_mics):
@@ -187,6 +187,7 @@ def test_bitwise_equal_to_dense(sync, dense_mics):
     assert {g[0] for g in got} == {"dense", "select", "sparse"}
 
 
+@pytest.mark.slow  # Radius against its reference algorithm in the fast suite: test_matches_the_reference_algorithm[mics4]
 def test_selection_ranks_the_adamw_corrected_update():
   """Property 6: the indices are the top-k of |m̂/(√v̂+ε) + λw| (Algorithm 2, after the clip) at the select
   step, which differs from the top-k of the (clipped, averaged) gradient."""
@@ -246,6 +247,7 @@ def test_sparse_step_moves_k_elements_on_the_replica_all_reduce():
 
 # -- the residual ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # Radius against its reference algorithm in the fast suite: test_matches_the_reference_algorithm[mics4]
 def test_residual_conservation_over_a_window():
   """Properties 8–10: with frozen weights and one batch, a sparse step sends the mean gradient on the
   selection and exactly zero elsewhere; each replica's residual keeps exactly what it did not send (zero
@@ -316,6 +318,7 @@ def restore(ex, path):
     return c.restore(ex)[0]
 
 
+@pytest.mark.slow  # Radius state round trip in the fast suite: test_checkpoints_with_and_without_radius
 def test_resume_mid_window_is_bitwise(saved_mid_window):
   """The residual, the indices and the last selection's step are checkpointed: resuming mid-window
   continues bitwise like the run that never stopped."""
@@ -333,6 +336,7 @@ def test_resume_mid_window_is_bitwise(saved_mid_window):
     np.testing.assert_array_equal(np.asarray(a), b, strict=True)
 
 
+@pytest.mark.slow  # Radius against its reference algorithm in the fast suite: test_matches_the_reference_algorithm[mics4]
 def test_restore_onto_another_mesh_and_plan(saved_mid_window):
   """Onto DP + Radius on 8 x 1 (8 replicas, unsharded leaves): weights and optimizer states bitwise, the
   residual's replica sum kept, the saved selection kept inside the new shards' k, and it trains on."""
@@ -408,6 +412,7 @@ def test_gin():
   assert plan.param_axes == ("gpu",)
 
 
+@pytest.mark.e2e
 def test_train_py_sigkill_mid_window_resumes_bitwise(tmp_path):
   """train.py with MiCS + Radius killed with SIGKILL after a mid-window checkpoint: the restart restores
   the residual and the window's indices and logs exactly the losses of a run never interrupted."""

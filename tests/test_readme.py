@@ -16,7 +16,7 @@ def test_readme_api_example_runs():
 
 def test_readme_flax_example_runs():
   text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-  (code,) = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "zerojax.from_linen" in c]
+  code = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "zerojax.from_linen" in c][0]  # "Your own flax model"
   scope = {}
   exec(compile(code, "README.md", "exec"), scope)
   assert int(scope["state"].step) == 1 and np.isfinite(float(scope["metrics"].loss))

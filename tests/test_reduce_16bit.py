@@ -80,6 +80,7 @@ def test_16bit_gradients_are_16bit_across_nodes_in_the_compiled_program(setup):
       assert c.cross_node_bytes_per_device == chunk * 2 * (2 - 1)
 
 
+@pytest.mark.slow  # 16-bit reduction in the fast suite: the other tests here
 def test_fp32_gradients_keep_the_reduce_scatter_bitwise(setup):
   """`reduce_via='auto'` with fp32 gradients is the plain `psum_scatter` of before the field, bit for bit
   (bf16 with `reduce_via='reduce_scatter'` compiles to the reduce-scatter: the test above)."""

@@ -87,6 +87,7 @@ def test_qgz_result_is_identical_for_any_number_of_stages():
   np.testing.assert_array_equal(outs[0], outs[2])
 
 
+@pytest.mark.slow  # qgZ training next to ZeRO-3 in the fast suite: test_quantized_plans_track_zero3
 def test_qgz_divides_by_world_size_once():
   """DeepSpeed's qgZ returns the sum over nodes divided by N only; here the mean is exact up to
   quantization: the trained loss trajectory stays next to ZeRO-3's, not D-fold off."""
@@ -107,10 +108,10 @@ def test_hpz_alone_equals_zero3():
   assert helpers.max_rel_diff(exh.logical_params(sh), ex3.logical_params(s3)) < 1e-6
 
 
-@pytest.mark.parametrize("kw", [dict(secondary_axes=None, grad_bits=None),       # qwZ
-                                dict(weight_bits=None, secondary_axes=None),     # qgZ
-                                dict(),                                         # all three
-                                dict(weight_bits=4, grad_bits=8, qgz_stages=2)])
+@pytest.mark.parametrize("kw", helpers.sweep([dict(secondary_axes=None, grad_bits=None),       # qwZ
+                                             dict(weight_bits=None, secondary_axes=None),     # qgZ
+                                             dict(),                                         # all three
+                                             dict(weight_bits=4, grad_bits=8, qgz_stages=2)], [dict()]))
 def test_quantized_plans_track_zero3(kw):
   mesh = zerojax.make_mesh(2, 4)
   opt = helpers.optimizer("sgd")
@@ -121,6 +122,7 @@ def test_quantized_plans_track_zero3(kw):
   assert 0 < helpers.max_rel_diff(exq.logical_params(sq), ex3.logical_params(s3)) < moved
 
 
+@pytest.mark.slow  # in the fast suite: test_mics.py::test_zeropp_techniques_inside_a_group_that_spans_nodes
 def test_mics_with_qwz_and_qgz_compose():
   """Combinations nobody built come for free: MiCS with an int8 intra-node gather and qgZ inside the node.
 
@@ -152,7 +154,7 @@ def test_zeropp_plan_errors():
   assert plans.zeropp(qgz_stages=2, grad_block=64).alignment == 256
 
 
-@pytest.mark.parametrize("group", [2, 8])
+@pytest.mark.parametrize("group", helpers.sweep([2, 8], []))
 def test_hpz_secondary_groups_smaller_or_larger_than_a_node(group):
   """hpZ groups that divide a node or span whole nodes (the plan names the group's size; the executor
   factors the mesh) train exactly like ZeRO-3, and the backward all-gather runs over exactly the group."""
