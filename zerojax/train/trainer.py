@@ -55,10 +55,11 @@ class NonFiniteError(RuntimeError):
 
 def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
           pad_multiple: int = 256, param_dtype: str | None = None, compute_dtype: str | None = None,
-          secondary_group: int | None = None, batch_size: int = 32) -> Executor:
+          secondary_group: int | None = None, batch_size: int = 32, devices=None) -> Executor:
   """The executor `train` runs: the gin-configured GPT and optimizer under `plan` on a fresh mesh.
 
-  Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.cli.account`.
+  Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.cli.account`;
+  `devices` (default `jax.devices()`) are those of the mesh, e.g. compile-only GPUs (`zerojax.gpu_aot`).
   With `plan = auto()` the AMSP planner picks the plan (`planner_rows` on the executor holds its table).
   """
   if isinstance(plan, planner.Auto):
@@ -70,7 +71,7 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
     plan = dataclasses.replace(plan, compute_dtype=compute_dtype)
   if secondary_group is not None:
     plan = dataclasses.replace(plan, secondary_axes=secondary_group)
-  mesh = make_mesh(num_nodes or default_num_nodes())
+  mesh = make_mesh(num_nodes or default_num_nodes(), devices=devices)
   return Executor(gpt(model_config()), make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
                   pad_multiple=pad_multiple)
 
