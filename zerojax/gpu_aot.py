@@ -64,12 +64,6 @@ def devices(target: str, nodes: int, gpus: int) -> list:
   return list(topo.devices)
 
 
-def mesh(target: str, nodes: int, gpus: int):
-  """The ("node", "gpu") mesh of `nodes` x `gpus` compile-only devices of `target`."""
-  from zerojax.mesh import make_mesh
-  return make_mesh(nodes, gpus, devices=devices(target, nodes, gpus))
-
-
 def is_gpu(mesh_) -> bool:
   """Whether a mesh's devices are GPUs (real or compile-only)."""
   devs = getattr(mesh_, "devices", None)

@@ -422,11 +422,6 @@ def slice_user(mod: Module, comp: str, instr: Instr) -> Instr | None:
 
 # --------------------------------------------------------------------------------------------- schedule
 
-_NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
-                          "replica-id", "after-all", "opt-barrier", "add-dependency"})
-_MATMUL_TARGETS = re.compile(r"gemm|matmul|conv", re.I)
-
-
 def done_of(mod: Module, comp: str, start: Instr) -> Instr | None:
   """The `-done` that ends an async `-start` (through `async-update`s)."""
   instr = start
@@ -454,39 +449,6 @@ def callees(instr: Instr) -> list[str]:
               "branch_computations"):
     out += re.findall(r"%?([^\s{},%]+)", attr(instr.attrs, key) or "")
   return out
-
-
-def kernels(mod: Module, instr: Instr, _depth: int = 0) -> tuple[int, int]:
-  """(matmuls, kernels) an instruction launches: a fusion or custom call is one kernel, a matmul when it
-  holds a dot or convolution (a gemm fusion, a cuBLAS/cuDNN call); loops and calls count their bodies'."""
-  op = instr.opcode
-  if op in _NOT_KERNELS or op.endswith(("-start", "-done", "-update")) or _depth > 8:
-    return 0, 0
-  if op in ("dot", "convolution"):
-    return 1, 1
-  if op == "custom-call":
-    target = attr(instr.attrs, "custom_call_target") or ""
-    return int(bool(_MATMUL_TARGETS.search(target))), 1
-  if op == "fusion":
-    return int(_holds_dot(mod, instr, _depth)), 1
-  if op in ("while", "call", "conditional"):
-    m = k = 0
-    for c in callees(instr):
-      for i in mod.comps.get(c, []):
-        dm, dk = kernels(mod, i, _depth + 1)
-        m, k = m + dm, k + dk
-    return m, k
-  return 0, 1
-
-
-def _holds_dot(mod: Module, instr: Instr, depth: int) -> bool:
-  for c in callees(instr):
-    for i in mod.comps.get(c, []):
-      if i.opcode in ("dot", "convolution") or (i.opcode == "fusion" and depth < 8 and _holds_dot(mod, i, depth + 1)):
-        return True
-      if i.opcode == "custom-call" and _MATMUL_TARGETS.search(attr(i.attrs, "custom_call_target") or ""):
-        return True
-  return False
 
 
 def enclosing_loops(mod: Module, comp: str) -> list[Instr]:

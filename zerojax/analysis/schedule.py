@@ -23,13 +23,16 @@ import dataclasses
 import re
 
 from zerojax.analysis.collectives import Collective, collectives_from_hlo
-from zerojax.analysis.hlo_text import (Module, arrays, async_start_of, attr, callees, done_of, enclosing_loops,
-                                       kernels, nbytes)
+from zerojax.analysis.hlo_text import (Instr, Module, arrays, async_start_of, attr, callees, done_of, enclosing_loops,
+                                       nbytes)
 from zerojax.analysis.roles import op_name
 
 LAYER_ROLES = ("forward all-gather", "backward all-gather", "gradient reduction")
 _ALIASES = ("get-tuple-element", "bitcast", "tuple", "copy")
 _LOOPS = ("while", "call", "conditional")
+_NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
+                          "replica-id", "after-all", "opt-barrier", "add-dependency"})
+_MATMUL_TARGETS = re.compile(r"gemm|matmul|conv", re.I)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,40 @@ class Scheduled:
             "result_shapes": [list(s) for s in c.result_shapes], "count": c.count, "async": self.is_async,
             "in_layer_loop": self.in_layer_loop, "loops": self.loops, "matmuls_between": self.matmuls,
             "kernels_between": self.kernels, "computation": c.computation, "op_name": c.op_name}
+
+
+def kernels(mod: Module, instr: Instr, _depth: int = 0) -> tuple[int, int]:
+  """(matmuls, kernels) an instruction launches: a fusion or custom call is one kernel, a matmul when it
+  holds a dot or convolution (a gemm fusion, a cuBLAS/cuDNN call); loops and calls count their bodies'."""
+  op = instr.opcode
+  if op in _NOT_KERNELS or op.endswith(("-start", "-done", "-update")) or _depth > 8:
+    return 0, 0
+  if op in ("dot", "convolution"):
+    return 1, 1
+  if op == "custom-call":
+    target = attr(instr.attrs, "custom_call_target") or ""
+    return int(bool(_MATMUL_TARGETS.search(target))), 1
+  if op == "fusion":
+    return int(_holds_dot(mod, instr, _depth)), 1
+  if op in ("while", "call", "conditional"):
+    m = k = 0
+    for c in callees(instr):
+      for i in mod.comps.get(c, []):
+        dm, dk = kernels(mod, i, _depth + 1)
+        m, k = m + dm, k + dk
+    return m, k
+  return 0, 1
+
+
+def _holds_dot(mod: Module, instr: Instr, depth: int) -> bool:
+  for c in callees(instr):
+    for i in mod.comps.get(c, []):
+      if i.opcode in ("dot", "convolution") or (i.opcode == "fusion" and depth < 8 and _holds_dot(mod, i, depth + 1)):
+        return True
+      if i.opcode == "custom-call" and _MATMUL_TARGETS.search(attr(i.attrs, "custom_call_target") or ""):
+        return True
+  return False
+
 
 
 def _start(mod: Module, c: Collective):
@@ -121,7 +158,9 @@ def gathered_alive(hlo_text: str, scheduled: list[Scheduled]) -> dict:
   alive in its body at the point it runs.
 
   Returns:
-    `{"units": most gathered arrays alive at once, "bytes": most of their bytes alive at once}`.
+    `{"units": most gathered arrays alive at once, "bytes": most of their bytes alive at once,
+    "layer_loops": per layer loop (forward or backward), the most alive while it runs, outside arrays
+    included}`.
   """
   mod = Module(hlo_text)
   roots = {}
@@ -132,7 +171,7 @@ def gathered_alive(hlo_text: str, scheduled: list[Scheduled]) -> dict:
     done = done_of(mod, comp, start) if start.opcode.endswith("-start") else start
     if done is not None:
       roots.setdefault(comp, []).append((start, done))
-  memo = {}
+  memo, loops_at = {}, []
 
   def alive(comp: str, depth: int = 0) -> tuple[int, int]:
     if comp in memo or depth > 16:
@@ -166,12 +205,16 @@ def gathered_alive(hlo_text: str, scheduled: list[Scheduled]) -> dict:
         inner = [alive(c, depth + 1) for c in callees(instr) if c in mod.comps]
         units += max((u for u, _ in inner), default=0)
         size += max((s for _, s in inner), default=0)
+        name = op_name(instr.attrs)
+        if instr.opcode == "while" and "jvp(" in name:
+          loops_at.append({"loop": instr.name, "direction": "backward" if "transpose(" in name else "forward",
+                           "units": units, "bytes": size})
       best = max(best, (units, size))
     memo[comp] = best
     return best
 
   units, size = alive(mod.entry)
-  return {"units": units, "bytes": size}
+  return {"units": units, "bytes": size, "layer_loops": loops_at}
 
 
 def _index(instr) -> int:
