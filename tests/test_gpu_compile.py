@@ -26,13 +26,14 @@ SMALL = ["model_config.d_model=64", "model_config.seq_len=32", "model_config.num
 _cache = {}
 
 
-def compiled(config: str, params=()) -> dict:
-  """The report of `config`'s step compiled for 2 x 4 H100s (cached for the module)."""
-  key = (config, tuple(params))
+def compiled(config: str, params=(), small: bool = True) -> dict:
+  """The report of `config`'s step compiled for 2 x 4 H100s (cached for the module); `small`: a smaller
+  GPT than the config's, else the config's own (base.gin's 4-layer GPT, 20-40 s to compile here)."""
+  key = (config, tuple(params), small)
   if key not in _cache:
     gin.clear_config()
     try:
-      ex, args, cfg = compile_cli.gin_executor([config], SMALL + list(params), "h100", 2, 4)
+      ex, args, cfg = compile_cli.gin_executor([config], (SMALL if small else []) + list(params), "h100", 2, 4)
       prog, seconds = compile_cli.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
       _cache[key] = {"report": compile_cli.report(ex, prog, seconds), "text": prog.as_text(), "ex": ex}
     finally:
@@ -56,8 +57,9 @@ def test_every_plan_config_compiles_for_h100s(config):
 def test_every_layer_loop_collective_overlaps_a_matmul(config):
   """Forward gather, backward gather and gradient reduction inside the layer loops each have a matmul
   (of another layer: nothing between start and done can use the collective's result) scheduled
-  between start and done (ZeRO §7's overlap)."""
-  rep = compiled(config)["report"]
+  between start and done (ZeRO §7's overlap). The shipped configs' own model: the schedule follows XLA's
+  cost model, and for a much smaller GPT (d_model 64) qgZ's cross-node hop is left without a matmul."""
+  rep = compiled(config, small=False)["report"]
   assert rep["prefetch"] is True
   loop = [c for c in rep["collectives"] if c["in_layer_loop"] and c["role"] in LAYER_ROLES]
   assert {c["role"] for c in loop} == set(LAYER_ROLES), loop
@@ -80,7 +82,7 @@ def test_head_gathers_in_its_own_backward():
   """No backward gather is scheduled before the forward's layer loop has run (the head's re-gather was
   merged with the embedding's forward gather at the step's start, keeping its weights through the
   forward)."""
-  rep = compiled("configs/zero3.gin")["report"]
+  rep = compiled("configs/zero3.gin", small=False)["report"]
   assert rep["backward_gathers_in_forward"] == []
 
 
@@ -88,7 +90,7 @@ def test_at_most_two_gathered_layers_alive_in_the_forward_loop():
   """While the forward's layer loop runs (prefetch carries the next layer), at most two layers' gathered
   weights are alive, nothing else gathered (the merged head gather kept the head's weights through it);
   read from the live ranges of the gathered arrays in the scheduled program."""
-  rep = compiled("configs/zero3.gin")["report"]
+  rep = compiled("configs/zero3.gin", small=False)["report"]
   layer = max(2 * c["result_shapes"][0][0] * c["result_shapes"][0][1] for c in rep["collectives"]
               if c["in_layer_loop"] and c["op"] == "all-gather")
   loops = [e for e in rep["gathered_alive"]["layer_loops"] if e["direction"] == "forward"]
