@@ -5,7 +5,7 @@ Needs jax's CUDA plugin (`pip install -e '.[gpu-aot]'`); nothing runs on a GPU (
   python benchmarks/bench_gpu_compile.py [--out benchmarks/gpu/compile.json]
       every configs/*.gin plan (auto.gin aside: it measures this machine) on 2 x 4 H100s: per collective
       async / in a layer loop / matmuls and kernels between start and done, the layer loops' overlap,
-      gathered units alive, kernels, compiled memory beside memory_report, compile time.
+      gathered weights alive, kernels, compiled memory beside memory_report, compile time.
   python benchmarks/bench_gpu_compile.py --llama [--meshes 2x8,8x8] [--plans zero3,zeropp,mics]
       [--out benchmarks/gpu/llama7b.json]
       a LLaMA-7B-shaped GPT (32 layers, d_model 4096, 32 heads, vocab 32000, sequence 4096, MLP width
@@ -68,7 +68,7 @@ def shipped(out_path: str) -> dict:
     rep = compile_cli.report(ex, prog, seconds)
     rep.update(config=config, batch_size=batch)
     rows.append(rep)
-    print(f"{config}: {seconds:.1f} s, overlap {rep['overlap']}, alive {rep['gathered_alive']['units']}",
+    print(f"{config}: {seconds:.1f} s, overlap {rep['overlap']}, alive {rep['gathered_alive']['bytes'] / 1e6:.3f} MB",
           file=sys.stderr, flush=True)
   return {"device": "NVIDIA H100 80GB HBM3 (compile-only)", "mesh": "2x4", "jax": jax.__version__,
           "notes": ["nothing ran: the programs were compiled for compile-only H100s on a CPU machine",

@@ -29,6 +29,8 @@ from zerojax.analysis.roles import op_name
 
 LAYER_ROLES = ("forward all-gather", "backward all-gather", "gradient reduction")
 _ALIASES = ("get-tuple-element", "bitcast", "tuple", "copy")
+_MOVES = frozenset({"parameter", "constant", "slice", "dynamic-slice", "bitcast", "bitcast-convert", "reshape",
+                    "transpose", "copy", "convert", "concatenate", "tuple", "get-tuple-element", "broadcast"})
 _LOOPS = ("while", "call", "conditional")
 _NOT_KERNELS = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
                           "replica-id", "after-all", "opt-barrier", "add-dependency"})
@@ -151,16 +153,17 @@ def overlap_summary(scheduled: list[Scheduled]) -> dict:
 
 
 def gathered_alive(hlo_text: str, scheduled: list[Scheduled]) -> dict:
-  """The most gathered units (arrays gathered by forward or backward all-gathers) alive at once.
+  """The most gathered weights (arrays gathered by forward or backward all-gathers) alive at once.
 
-  A gathered array lives from its collective's start to its last use through aliases (tuples,
-  get-tuple-element, bitcasts, copies); carried by a loop, through the loop. A loop or call adds the most
+  A gathered array lives from its collective's start to its last use through data movement (tuples,
+  bitcasts, copies, fusions that only slice or convert it into its leaves); carried by a loop, through
+  the loop (counted at the size of the gathered buffer). A loop or call adds the most
   alive in its body at the point it runs.
 
   Returns:
-    `{"units": most gathered arrays alive at once, "bytes": most of their bytes alive at once,
-    "layer_loops": per layer loop (forward or backward), the most alive while it runs, outside arrays
-    included}`.
+    `{"arrays": most gathered arrays (or leaves split from them) alive at once, "bytes": most of their
+    bytes alive at once, "layer_loops": per layer loop (forward or backward), the most bytes alive while
+    it runs and `outside_bytes`, those gathered outside it and alive across it (another unit's weights)}`.
   """
   mod = Module(hlo_text)
   roots = {}
@@ -202,19 +205,20 @@ def gathered_alive(hlo_text: str, scheduled: list[Scheduled]) -> dict:
       units = sum(u for a, b, u, _ in intervals if a <= n < b or (a <= n == b and instr.opcode not in _LOOPS))
       size = sum(s for a, b, _, s in intervals if a <= n < b or (a <= n == b and instr.opcode not in _LOOPS))
       if instr.opcode in _LOOPS:
+        outside = size
         inner = [alive(c, depth + 1) for c in callees(instr) if c in mod.comps]
         units += max((u for u, _ in inner), default=0)
         size += max((s for _, s in inner), default=0)
         name = op_name(instr.attrs)
         if instr.opcode == "while" and "jvp(" in name:
           loops_at.append({"loop": instr.name, "direction": "backward" if "transpose(" in name else "forward",
-                           "units": units, "bytes": size})
+                           "arrays": units, "bytes": size, "outside_bytes": outside})
       best = max(best, (units, size))
     memo[comp] = best
     return best
 
   units, size = alive(mod.entry)
-  return {"units": units, "bytes": size, "layer_loops": loops_at}
+  return {"arrays": units, "bytes": size, "layer_loops": loops_at}
 
 
 def _index(instr) -> int:
@@ -222,15 +226,23 @@ def _index(instr) -> int:
   return int(m.group(1)) if m else -1
 
 
+def _moves(mod: Module, instr) -> bool:
+  """Whether `instr` only moves or converts data: an alias, or a fusion of slices, converts, ... (the
+  gathered buffer split into its leaves): its result is still the gathered weights."""
+  if instr.opcode in _ALIASES:
+    return True
+  return instr.opcode == "fusion" and all(i.opcode in _MOVES for c in callees(instr) for i in mod.comps.get(c, []))
+
+
 def _last_use(mod: Module, comp: str, value, pos: dict) -> tuple[int, bool]:
-  """(position of the last use of `value` through aliases, whether it reaches the computation's root)."""
+  """(position of the last use of `value` through data movement, whether it reaches the root)."""
   last, root, frontier, seen = pos[value.name], value.root, [value], {value.name}
   while frontier:
     instr = frontier.pop()
     for user in mod.users[comp].get(instr.name, []):
       last = max(last, pos[user.name])
       root = root or user.root
-      if user.opcode in _ALIASES and user.name not in seen:
+      if _moves(mod, user) and user.name not in seen:
         seen.add(user.name)
         frontier.append(user)
   return last, root
@@ -244,7 +256,7 @@ def _root_positions(mod: Module, comp: str, value, root) -> set[int]:
   while frontier:
     instr = frontier.pop()
     for user in mod.users[comp].get(instr.name, []):
-      if user.opcode in _ALIASES and user.opcode != "tuple" and user.name not in names:
+      if _moves(mod, user) and user.opcode != "tuple" and user.name not in names:
         names.add(user.name)
         frontier.append(user)
   return {n for n, o in enumerate(root.operands) if o in names}

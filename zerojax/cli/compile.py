@@ -5,7 +5,7 @@ Builds the gin config's executor on `--mesh` NODESxGPUS compile-only GPUs of `--
 with the options a GPU run uses (nothing runs), and prints per collective: op, dtype, role, async or not,
 inside a layer loop or not, the matmuls and kernels scheduled between its start and done
 (`zerojax.analysis.schedule`); the layer loops' overlap per role; the kernels compiled; the most gathered
-units alive at once; and the compiled per-device memory (arguments, outputs, temporaries, peak) beside
+weights alive at once; and the compiled per-device memory (arguments, outputs, temporaries, peak) beside
 `zerojax.memory.memory_report`'s model-state bytes. `--json` prints it all as JSON, `--dump_hlo FILE`
 writes the scheduled GPU program.
 """
@@ -110,8 +110,10 @@ def render(rep: dict) -> str:
   lines.append("")
   for role, e in rep["overlap"].items():
     lines.append(f"layer loops, {role}: {e['overlapped']}/{e['in_loop']} with a matmul between start and done")
-  lines.append(f"gathered units alive at once: {rep['gathered_alive']['units']} "
-               f"({rep['gathered_alive']['bytes'] / 1e6:.2f} MB)")
+  alive = rep["gathered_alive"]
+  lines.append(f"gathered weights alive at once: {alive['bytes'] / 1e6:.3f} MB; " + "; ".join(
+      f"{e['direction']} layer loop {e['bytes'] / 1e6:.3f} MB ({e['outside_bytes'] / 1e6:.3f} MB gathered outside "
+      "it)" for e in alive["layer_loops"]))
   if rep["backward_gathers_in_forward"]:
     lines.append(f"backward gathers scheduled in the forward: {rep['backward_gathers_in_forward']}")
   lines.append("kernels: " + ", ".join(f"{k} {v}" for k, v in rep["kernels"].items()))
