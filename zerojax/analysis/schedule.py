@@ -1,4 +1,4 @@
-"""What a scheduled GPU program runs while each collective is in flight, and how many gathered units live.
+"""What a scheduled GPU program runs while each collective is in flight, and which gathered weights live.
 
 XLA:GPU splits a collective into `-start` and `-done` (or `async-start`/`async-done` around it); its
 latency-hiding scheduler places other instructions between them, which run while the collective moves
@@ -65,8 +65,9 @@ class Scheduled:
 
 
 def kernels(mod: Module, instr: Instr, _depth: int = 0) -> tuple[int, int]:
-  """(matmuls, kernels) an instruction launches: a fusion or custom call is one kernel, a matmul when it
-  holds a dot or convolution (a gemm fusion, a cuBLAS/cuDNN call); loops and calls count their bodies'."""
+  """(matmuls, kernels) an instruction launches: a fusion, custom call or unfused op is one kernel, a
+  matmul when it holds a dot or convolution (a gemm fusion, a cuBLAS/cuDNN call); loops and calls count
+  their bodies' (one iteration)."""
   op = instr.opcode
   if op in _NOT_KERNELS or op.endswith(("-start", "-done", "-update")) or _depth > 8:
     return 0, 0
@@ -95,7 +96,6 @@ def _holds_dot(mod: Module, instr: Instr, depth: int) -> bool:
       if i.opcode == "custom-call" and _MATMUL_TARGETS.search(attr(i.attrs, "custom_call_target") or ""):
         return True
   return False
-
 
 
 def _start(mod: Module, c: Collective):
