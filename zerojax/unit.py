@@ -164,9 +164,11 @@ def _sharded_bwd(f, meta, residuals, g):
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
   # gather (keeping full weights alive across the whole step) nor hoist it early.
   kept, g = lax.optimization_barrier((kept, g))
-  # And to the unit's inputs: the head's cotangent is the loss seed, a constant that alone would let XLA
-  # gather the head's weights at the step's start (merged with the embedding's forward gather).
-  kept = _after(_after(kept, g), args)
+  kept = _after(kept, g)
+  # On GPUs also to the unit's inputs: the head's cotangent is the loss seed, a constant that alone lets
+  # XLA:GPU gather the head's weights at the step's start (merged with the embedding's forward gather).
+  # XLA:CPU merges the head's two gathers into one instead; its program is left as it was.
+  kept = lax.platform_dependent(kept, args, cpu=lambda k, a: k, default=_after)
   if meta.plan.secondary_axes:
     flats = comm.all_gather_unit(kept, meta.plan.secondary_axes, hierarchical=meta.plan.hierarchical)
   else:
