@@ -5,14 +5,15 @@ reason alone. Nothing runs: each test reads the scheduled H100 program and its m
 once per config (module-scoped) for a small GPT.
 """
 import glob
-import importlib.util
 import os
 
 import gin
 import pytest
 
+from zerojax import gpu_aot
+
 pytestmark = pytest.mark.gpu_compile
-if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+if not gpu_aot.plugin_installed():
   pytest.skip("compiling for GPUs needs jax's CUDA plugin: pip install -e '.[gpu-aot]'", allow_module_level=True)
 
 from zerojax.analysis.schedule import LAYER_ROLES  # noqa: E402

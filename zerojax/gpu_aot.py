@@ -41,9 +41,17 @@ def target_config(target: str) -> str:
     return f.read()
 
 
+def plugin_installed() -> bool:
+  """Whether jax's CUDA plugin (the `gpu-aot` extra) is installed."""
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # no jax_plugins package at all
+    return False
+
+
 def check_plugin() -> None:
   """Raises `PluginMissing` (one line naming the pip command) when jax's CUDA plugin is not installed."""
-  if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+  if not plugin_installed():
     raise PluginMissing(f"compiling for GPUs needs jax's CUDA plugin (jax-cuda12-plugin, jax-cuda12-pjrt "
                         f"{jax.__version__} and nvidia-cuda-nvcc-cu12); install it with: {PIP}")
 
