@@ -4,7 +4,7 @@ Layers (docs/DESIGN.md, "Layers"), lowest first; a module may import modules of 
 layer, or of its own group (folder, or the core modules among themselves), never upward or sideways:
 
   0  pallas_kernels                                       the GPU kernels
-  1  zerojax.mesh | zerojax.quantization                  the mesh | the kernels' front (siblings)
+  1  zerojax.mesh | zerojax.quantization | zerojax.gpu_aot  the mesh | the kernels' front | compile-only GPUs
   2  zerojax.comm                                         the collectives
   3  zerojax.{plan, layout, remat, fidelity, unit, prefetch, executor, memory, logical}  core: the plan value and the one executor
   4  zerojax.models | zerojax.planner                     models | the AMSP planner
@@ -33,7 +33,7 @@ def group_of(module: str) -> tuple[int, str]:
   if module == "zerojax":
     return 7, "api"
   top = parts[1]
-  if top in ("mesh", "quantization"):
+  if top in ("mesh", "quantization", "gpu_aot"):
     return 1, top
   if top == "comm":
     return 2, "comm"

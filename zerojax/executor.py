@@ -42,7 +42,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import comm, fidelity, layout as layout_lib, logical as logical_lib
+from zerojax import comm, fidelity, gpu_aot, layout as layout_lib, logical as logical_lib
 from zerojax import mesh as mesh_lib
 from zerojax.mesh import axis_sizes, group_size
 from zerojax.model import Model, identity, call_loss  # noqa: F401  (re-exported)
@@ -386,7 +386,8 @@ class Executor:
     `batch` is a pytree (numpy or jax arrays) whose leaves lead with `[accum, global_batch, ...]`, or
     with `[global_batch, ...]` when `accum_steps == 1`; see `shard_batch`. With Radius the step runs the
     program of `phase(state)`, each compiled on first use; `step.lower(state, batch, phase=None)` lowers
-    one (default: "sparse" with Radius, else "dense").
+    one (default: "sparse" with Radius, else "dense"). On GPUs it compiles with
+    `zerojax.gpu_aot.GPU_COMPILER_OPTIONS`.
     """
     if self._step is None:
       sh = state_shardings or self.shardings()
@@ -396,7 +397,8 @@ class Executor:
         if phase not in programs:
           programs[phase] = jax.jit(functools.partial(self._train_step, phase=phase),
                                     in_shardings=(sh, self.batch_sharding),
-                                    out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0)
+                                    out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0,
+                                    compiler_options=gpu_aot.compiler_options(self.mesh) or None)
         return programs[phase]
 
       def step(state, batch):

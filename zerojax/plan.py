@@ -30,7 +30,7 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zerojax import mesh as mesh_lib, remat
+from zerojax import gpu_aot, mesh as mesh_lib, remat
 from zerojax.mesh import AXES
 
 Axes = tuple[str, ...] | int  # mesh axes by name, or a group of that many consecutive devices
@@ -166,6 +166,9 @@ class Plan:
       (forward), and in backward gather layer i-1 and reduce layer i+1's gradient while layer i's
       backward runs (`zerojax.prefetch`). At most two gathered layers are alive. False: each layer
       gathers when it runs. Same numbers either way.
+      None (the default): on for a mesh of GPUs when the parameters are sharded and the plan allows it
+      (remat "full", no qgZ error feedback or stochastic rounding), off on CPUs; `resolve` decides.
+      On GPUs it is what lets the layer loops' collectives overlap compute (`zerojax.gpu_aot`).
   """
   name: str = "zero3"
   param_axes: Axes = AXES
@@ -187,14 +190,14 @@ class Plan:
   qgz_stages: int = 1
   kernel_backend: str | None = None
   replica_sync: Radius | None = None
-  prefetch: bool = False
+  prefetch: bool | None = None
   grad_error_feedback: bool = False
   rotate: bool = False
   stochastic_rounding: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.prefetch, bool):
-      raise ValueError(f"plan {self.name!r}: prefetch={self.prefetch!r}; use True or False")
+    if self.prefetch is not None and not isinstance(self.prefetch, bool):
+      raise ValueError(f"plan {self.name!r}: prefetch={self.prefetch!r}; use True, False or None (on for GPUs)")
     if self.replica_sync is not None and not isinstance(self.replica_sync, Radius):
       raise ValueError(f"plan {self.name!r}: replica_sync={self.replica_sync!r}; use None (dense all-reduce) "
                        "or radius(density=..., period=..., dense_steps=...)")
@@ -339,7 +342,8 @@ class Plan:
 
     A group size becomes the axes of its group (`mesh.group_axes`); a whole axis (`"gpu"`) the mesh
     factors (`"gpu.4"`, `"gpu.2"`) is replaced by its factors, major first; `hierarchical=None` becomes
-    whether the parameter group spans nodes. Raises for a plan the mesh cannot run.
+    whether the parameter group spans nodes, `prefetch=None` whether the mesh is of GPUs (see `prefetch`).
+    Raises for a plan the mesh cannot run.
     """
     self.check_groups(mesh)
 
@@ -361,7 +365,12 @@ class Plan:
       raise ValueError(f"plan {self.name!r}: hierarchical=True, but the parameter group {resolved.param_axes} "
                        f"of the mesh {mesh_lib.axis_sizes(mesh)} does not span nodes; use hierarchical=None "
                        "(automatic) or False")
-    return dataclasses.replace(resolved, hierarchical=bool(spans if self.hierarchical is None else self.hierarchical))
+    prefetch = self.prefetch
+    if prefetch is None:  # on GPUs the default (zerojax.gpu_aot): the layer loops' collectives overlap compute
+      prefetch = gpu_aot.is_gpu(mesh) and bool(resolved.param_axes) and self.remat in (None, "full") and \
+          not (self.grad_error_feedback or self.stochastic_rounding)
+    return dataclasses.replace(resolved, prefetch=prefetch,
+                               hierarchical=bool(spans if self.hierarchical is None else self.hierarchical))
 
   def validate(self, mesh: Mesh) -> None:
     """Raises if the plan names an axis the mesh does not have, or its groups do not nest."""

@@ -197,7 +197,12 @@ def _sharded_bwd(f, meta, residuals, g):
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
   # gather (keeping full weights alive across the whole step) nor hoist it early.
   kept, g = lax.optimization_barrier((kept, g))
-  flats = regather(meta, ordered_after(kept, g))
+  kept = ordered_after(kept, g)
+  # On GPUs also to the unit's inputs: the head's cotangent is the loss seed, a constant that alone lets
+  # XLA:GPU gather the head's weights at the step's start (merged with the embedding's forward gather).
+  # XLA:CPU merges the head's two gathers into one instead; its program is left as it was.
+  kept = lax.platform_dependent(kept, args, cpu=lambda k, a: k, default=ordered_after)
+  flats = regather(meta, kept)
   if isinstance(args, remat.Saved):  # remat "dots" / "none": the forward's vjp, re-gathered weights in
     vjp = args.vjp_with(params_tree(meta, flats))
   else:

@@ -9,6 +9,7 @@ benchmarks and the tests do.
 | `collectives` | `Collective` and `collectives_from_hlo`                                |
 | `wire_model`  | the ring byte model (per device, cross-node, node egress) and `summarize` |
 | `roles`       | the role of each collective in a train step (forward gather, ...)      |
+| `schedule`    | what a scheduled GPU program overlaps with each collective; gathered weights alive |
 | `report`      | a compiled train step laid out as ZeRO++ Table 1, as JSON or a table   |
 """
 from zerojax.analysis.collectives import Collective, collectives_from_hlo

@@ -418,3 +418,49 @@ def slice_user(mod: Module, comp: str, instr: Instr) -> Instr | None:
     return user
   return None
 
+
+
+# --------------------------------------------------------------------------------------------- schedule
+
+def done_of(mod: Module, comp: str, start: Instr) -> Instr | None:
+  """The `-done` that ends an async `-start` (through `async-update`s)."""
+  instr = start
+  for _ in range(64):
+    users = [u for u in mod.users[comp].get(instr.name, []) if u.opcode.startswith(("async-", start.opcode[:-6]))]
+    nxt = [u for u in users if u.opcode.endswith(("-done", "-update"))]
+    if not nxt:
+      return None
+    instr = nxt[0]
+    if instr.opcode.endswith("-done"):
+      return instr
+  return None
+
+
+def async_start_of(mod: Module, comp: str) -> Instr | None:
+  """The `async-start` whose wrapped computation is `comp`, if any."""
+  callers = [i for i, _ in mod.callers.get(comp, []) if i.opcode == "async-start"]
+  return callers[0] if callers else None
+
+
+def callees(instr: Instr) -> list[str]:
+  """Computations an instruction calls (fusion bodies, loop bodies and conditions, branches)."""
+  out = []
+  for key in ("calls", "body", "condition", "to_apply", "true_computation", "false_computation",
+              "branch_computations"):
+    out += re.findall(r"%?([^\s{},%]+)", attr(instr.attrs, key) or "")
+  return out
+
+
+def enclosing_loops(mod: Module, comp: str) -> list[Instr]:
+  """The `while` instructions whose bodies (directly or through calls) hold `comp`, innermost first."""
+  loops, seen = [], set()
+  while comp not in seen:
+    seen.add(comp)
+    callers = mod.callers.get(comp, [])
+    if not callers:
+      break
+    caller = callers[0][0]
+    if caller.opcode == "while" and re.search(r"body=%?" + re.escape(comp) + r"\b", caller.attrs):
+      loops.append(caller)
+    comp = caller.computation
+  return loops

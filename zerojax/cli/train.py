@@ -188,9 +188,16 @@ def _initialize_distributed(args) -> None:
 
 
 def _has_accelerator() -> bool:
+  """Whether JAX will find an accelerator, decided before JAX starts: JAX_PLATFORMS names one, or (when it
+  is unset) a CUDA plugin is installed and the machine has an NVIDIA GPU. A plugin alone is not a GPU: the
+  `gpu-aot` extra installs one to compile for GPUs on a CPU machine."""
+  import glob
   import importlib.util
-  return os.environ.get("JAX_PLATFORMS", "") not in ("", "cpu") or importlib.util.find_spec("jax_cuda13_plugin") is not None \
-      or importlib.util.find_spec("jax_cuda12_plugin") is not None
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return platforms != "cpu"
+  plugin = any(importlib.util.find_spec(f"jax_cuda{v}_plugin") is not None for v in (12, 13))
+  return plugin and bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/proc/driver/nvidia/gpus/*"))
 
 
 # -- the gin parameters, for --help -------------------------------------------------------------------

@@ -76,18 +76,19 @@ def with_precision(plan: Plan, param_dtype: str | None = None, compute_dtype: st
 
 def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
           pad_multiple: int = 256, param_dtype: str | None = None, compute_dtype: str | None = None,
-          batch_size: int = 32, model: str | None = None) -> Executor:
+          batch_size: int = 32, model: str | None = None, devices=None) -> Executor:
   """The executor `train` runs: the gin-configured GPT (or the user's `model`) and optimizer under `plan`
   on a fresh mesh.
 
-  Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.cli.account`.
+  Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.cli.account`;
+  `devices` (default `jax.devices()`) are those of the mesh, e.g. compile-only GPUs (`zerojax.gpu_aot`).
   With `plan = auto()` the AMSP planner picks the plan (`planner_rows` on the executor holds its table).
   """
   if isinstance(plan, planner.Auto):
     return _auto(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
                  param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model)
   plan = with_precision(plan, param_dtype, compute_dtype)
-  mesh = make_mesh(num_nodes or default_num_nodes())
+  mesh = make_mesh(num_nodes or default_num_nodes(), devices=devices)
   cfg = model_config()
   net = gpt(cfg) if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
   return Executor(net, make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The run kit for a machine with NVIDIA GPUs, in one command: bash benchmarks/gpu/run.sh [OUT_DIR]
+#   1. the GPU-marked tests (`gpu`: run on the GPU; `gpu_compile`: the compile-only schedule checks);
+#   2. bench_kernels.py for every backend the device runs (xla, pallas, triton) -> OUT_DIR/kernels.json
+#      (device, jax, rows of op/backend/bits/elements/gbps/ratio_to_copy; the full output beside it);
+#   3. a profiled train step of configs/zeropp.gin -> OUT_DIR/profile/ (a jax.profiler trace for
+#      TensorBoard/Perfetto: where the collectives run beside the kernels, what only a GPU can show).
+# Install first: pip install -e '.[test,bench,gpu,gpu-aot]' with a CUDA jax (pip install 'jax[cuda12]').
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${1:-benchmarks/gpu}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python}"
+status=0
+
+echo "== GPU tests"
+env -u JAX_PLATFORMS "$PY" -m pytest -q -m "gpu or gpu_compile" tests/ || status=1
+
+echo "== kernels"
+env -u JAX_PLATFORMS "$PY" benchmarks/bench_kernels.py > "$OUT/kernels_full.json" || status=1
+"$PY" - "$OUT" <<'PYEOF' || status=1
+import json, sys
+out = sys.argv[1]
+full = json.load(open(f"{out}/kernels_full.json"))
+rows = [{"op": r["op"], "backend": r["backend"], "bits": r["bits"], "elements": r["elements"],
+         "gbps": r["gbps"], "ratio_to_copy": r.get("ratio_to_copy", r.get("vs_copy"))} for r in full["ops"]]
+json.dump({"device": full["device"], "jax": full["jax"], "rows": rows}, open(f"{out}/kernels.json", "w"), indent=1)
+print(f"wrote {out}/kernels.json: {len(rows)} rows on {full['device']}")
+PYEOF
+
+echo "== profiled train step"
+env -u JAX_PLATFORMS "$PY" - "$OUT" <<'PYEOF' || status=1
+import os, sys, time
+import jax, numpy as np
+from zerojax.train import config as config_lib, trainer
+out = sys.argv[1]
+config_lib.parse(["configs/zeropp.gin"], ["train.compute_dtype='bfloat16'"])
+import gin
+ex = trainer.build(gin.get_bindings(trainer.train)["plan"], jax.process_count())
+cfg = trainer.model_config()
+state = ex.init(jax.random.key(0))
+batch = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 4 * ex.world, cfg.seq_len + 1)).astype(np.int32)
+step = ex.step_fn()
+for _ in range(3):  # compile and warm up
+  state, m = step(state, batch)
+jax.block_until_ready(m.loss)
+jax.profiler.start_trace(f"{out}/profile")
+t0 = time.perf_counter()
+for _ in range(5):
+  state, m = step(state, batch)
+jax.block_until_ready(m.loss)
+jax.profiler.stop_trace()
+print(f"zeropp on {jax.devices()[0].device_kind} x {ex.world}: {(time.perf_counter() - t0) / 5 * 1e3:.1f} ms/step, "
+      f"loss {float(m.loss):.3f}; trace in {out}/profile")
+PYEOF
+exit $status

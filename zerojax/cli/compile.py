@@ -1,0 +1,168 @@
+"""Compiles `train.py`'s step for GPUs without one: `python -m zerojax.cli.compile --gin_file=... --target=h100`.
+
+Builds the gin config's executor on `--mesh` NODESxGPUS compile-only GPUs of `--target` (h100 or a100;
+`zerojax.gpu_aot`, needs `pip install -e '.[gpu-aot]'`), compiles its train step for abstract inputs
+with the options a GPU run uses (nothing runs), and prints per collective: op, dtype, role, async or not,
+inside a layer loop or not, the matmuls and kernels scheduled between its start and done
+(`zerojax.analysis.schedule`); the layer loops' overlap per role; the kernels compiled; the most gathered
+weights alive at once; and the compiled per-device memory (arguments, outputs, temporaries, peak) beside
+`zerojax.memory.memory_report`'s model-state bytes. `--json` prints it all as JSON, `--dump_hlo FILE`
+writes the scheduled GPU program.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from zerojax import gpu_aot
+from zerojax.analysis import collectives_from_hlo
+from zerojax.analysis.schedule import (gathered_alive, kernel_counts, merged_backward_gathers, overlap_summary,
+                                       schedule_from_hlo)
+from zerojax.memory import memory_report
+
+GB = 1e9
+
+
+def gin_executor(gin_files: list[str], gin_params: list[str], target: str, nodes: int, gpus: int):
+  """The executor `train.py` builds for the gin config, on `nodes` x `gpus` compile-only `target` GPUs;
+  returns it with `train`'s arguments."""
+  import gin
+
+  from zerojax import planner
+  from zerojax.train import config as config_lib, trainer
+
+  try:
+    config_lib.parse(gin_files, gin_params)
+  except config_lib.ConfigError as e:
+    raise SystemExit(f"error: {e}") from None
+  args = {k: v.default for k, v in inspect.signature(trainer.train).parameters.items()
+          if v.default is not inspect.Parameter.empty}
+  args.update(gin.get_bindings(trainer.train))
+  if args.get("plan", gin.REQUIRED) is gin.REQUIRED:
+    raise SystemExit("error: the gin config sets no plan; bind train.plan (e.g. include configs/zero3.gin)")
+  if isinstance(args["plan"], planner.Auto):
+    raise SystemExit("error: train.plan=@auto() picks its plan by measuring this machine's collectives; "
+                     "compile the config of the plan it picks (e.g. configs/zero3.gin)")
+  shared = [k for k in inspect.signature(trainer.build).parameters
+            if k not in ("plan", "num_nodes", "devices") and k in args]
+  ex = trainer.build(args["plan"], nodes, devices=gpu_aot.devices(target, nodes, gpus),
+                     **{k: args[k] for k in shared})
+  return ex, args, trainer.model_config()
+
+
+def abstract_inputs(ex, batch_shape):
+  """`ShapeDtypeStruct`s with shardings of the train state and a token batch `[accum, batch, seq + 1]`."""
+  state = jax.eval_shape(ex.init, jax.random.key(0))
+  state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, ex.shardings(state))
+  ex.check_batch(batch_shape)
+  return state, jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=ex.batch_sharding)
+
+
+def compile_step(ex, batch_shape):
+  """(compiled train step, seconds to lower and compile) for abstract inputs; nothing runs."""
+  t0 = time.perf_counter()
+  compiled = ex.step_fn().lower(*abstract_inputs(ex, batch_shape)).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def memory(compiled) -> dict:
+  """Per-device bytes of the compiled program (`compiled.memory_analysis()`)."""
+  m = compiled.memory_analysis()
+  out = {k: int(getattr(m, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+  out["peak"] = int(getattr(m, "peak_memory_in_bytes", 0)) or out["argument"] + out["output"] - out["alias"] + out["temp"]
+  return out
+
+
+def report(ex, compiled, seconds: float) -> dict:
+  """The JSON-ready report of a compiled step (see the module docstring)."""
+  text = compiled.as_text()
+  found = collectives_from_hlo(text, ex.mesh)
+  scheduled = schedule_from_hlo(text, ex.mesh, collectives=found)
+  devices = ex.mesh.devices.flat
+  return {
+      "plan": ex.plan.name, "prefetch": ex.plan.prefetch, "device_kind": next(iter(devices)).device_kind,
+      "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "compile_s": seconds,
+      "compiler_options": gpu_aot.compiler_options(ex.mesh),
+      "collectives": [s.to_json() for s in scheduled],
+      "overlap": overlap_summary(scheduled),
+      "gathered_alive": gathered_alive(text, scheduled),
+      "backward_gathers_in_forward": merged_backward_gathers(scheduled, text),
+      "kernels": kernel_counts(text),
+      "memory": memory(compiled),
+      "memory_report": memory_report(ex)["expected"],
+  }
+
+
+def render(rep: dict) -> str:
+  """The report for people."""
+  lines = [f"plan {rep['plan']} (prefetch={rep['prefetch']})  {rep['mesh']}  {rep['device_kind']}  "
+           f"compiled in {rep['compile_s']:.1f} s  options {rep['compiler_options']}", "",
+           f"{'op':<15}{'dtype':<7}{'role':<24}{'async':<7}{'loop':<6}{'x':>4}{'matmuls':>9}{'kernels':>9}  result"]
+  for c in rep["collectives"]:
+    lines.append(f"{c['op']:<15}{c['dtype']:<7}{c['role']:<24}{str(c['async']):<7}{str(c['in_layer_loop']):<6}"
+                 f"{c['count']:>4}{c['matmuls_between']:>9}{c['kernels_between']:>9}  {c['result_shapes']}")
+  lines.append("")
+  for role, e in rep["overlap"].items():
+    lines.append(f"layer loops, {role}: {e['overlapped']}/{e['in_loop']} with a matmul between start and done")
+  alive = rep["gathered_alive"]
+  lines.append(f"gathered weights alive at once: {alive['bytes'] / 1e6:.3f} MB; " + "; ".join(
+      f"{e['direction']} layer loop {e['bytes'] / 1e6:.3f} MB ({e['outside_bytes'] / 1e6:.3f} MB gathered outside "
+      "it)" for e in alive["layer_loops"]))
+  if rep["backward_gathers_in_forward"]:
+    lines.append(f"backward gathers scheduled in the forward: {rep['backward_gathers_in_forward']}")
+  lines.append("kernels: " + ", ".join(f"{k} {v}" for k, v in rep["kernels"].items()))
+  m, model = rep["memory"], rep["memory_report"]
+  lines.append(f"memory per device (GB): arguments {m['argument'] / GB:.3f}, outputs {m['output'] / GB:.3f} "
+               f"(aliased {m['alias'] / GB:.3f}), temporaries {m['temp'] / GB:.3f}, peak {m['peak'] / GB:.3f}; "
+               f"memory_report model states {model['total'] / GB:.3f}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--gin_file", action="append", required=True, help="gin config of train.py (repeatable)")
+  ap.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
+  ap.add_argument("--target", default="h100", choices=sorted(gpu_aot.TARGETS), help="GPU to compile for")
+  ap.add_argument("--mesh", default="2x4", help="NODESxGPUS (default 2x4)")
+  ap.add_argument("--batch_size", type=int, default=None, help="global micro-batch (default train.batch_size, "
+                  "or one sequence per device when that does not divide)")
+  ap.add_argument("--dump_hlo", default=None, help="write the scheduled GPU program here")
+  ap.add_argument("--json", action="store_true", help="print the report as JSON")
+  args = ap.parse_args(argv)
+  if not jax.config.jax_platforms:  # the host backend stays the CPU; the GPUs are compile-only
+    jax.config.update("jax_platforms", "cpu")
+  try:
+    nodes, gpus = (int(v) for v in args.mesh.lower().split("x"))
+  except ValueError:
+    ap.error(f"--mesh {args.mesh!r} is not NODESxGPUS; use e.g. 2x4")
+  try:
+    gpu_aot.check_plugin()
+    ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param, args.target, nodes, gpus)
+  except (gpu_aot.PluginMissing, ValueError) as e:
+    raise SystemExit(f"error: {e}") from None
+  batch = args.batch_size or train_args["batch_size"]
+  if batch % ex.world:
+    batch = ex.world
+  compiled, seconds = compile_step(ex, (ex.accum_steps, batch, cfg.seq_len + 1))
+  if args.dump_hlo:
+    with open(args.dump_hlo, "w") as f:
+      f.write(compiled.as_text())
+  rep = report(ex, compiled, seconds)
+  rep.update(config={"gin_files": args.gin_file, "gin_params": args.gin_param, "target": args.target,
+                     "batch_size": batch, "accum_steps": ex.accum_steps, "seq_len": cfg.seq_len})
+  if args.json:
+    json.dump(rep, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+  else:
+    print(render(rep))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,83 @@
+"""Compile-only GPUs: the train step compiled for H100s or A100s on a machine without any GPU.
+
+With jax's CUDA plugin installed (`pip install -e '.[gpu-aot]'`) and the host backend the CPU,
+`jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=..., topology="1xNxG")`
+returns N x G devices of the GPU described by a `GpuTargetConfigProto` (the files in
+`zerojax/gpu_targets/`). A program sharded over them lowers and compiles with XLA's GPU pipeline
+(latency-hiding scheduler, async collectives, Triton fusions for the target's compute capability);
+nothing runs. `compiled.as_text()` is the scheduled GPU program, `compiled.memory_analysis()` its
+per-device memory.
+
+The executor compiles its step for GPU meshes (real or compile-only) with `GPU_COMPILER_OPTIONS`, so
+the program `zerojax.cli.compile` reads is the one a GPU run gets (`compiler_options`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax
+
+TARGETS = {"h100": "h100.txtpb", "a100": "a100.txtpb"}
+PIP = "pip install -e '.[gpu-aot]'"
+
+# XLA options for GPU programs. XLA:GPU keeps one collective in flight by default, so a layer's gradient
+# reduce-scatter waits for the next layer's prefetched gather (or the gather for the reduction) and one
+# of them runs with nothing beside it; two in flight let both overlap the layer's compute
+# (`zerojax.analysis.schedule`, tests/test_gpu_compile.py).
+GPU_COMPILER_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+
+
+class PluginMissing(RuntimeError):
+  pass
+
+
+def target_config(target: str) -> str:
+  """The `GpuTargetConfigProto` text of `target` ("h100": H100 SXM 80 GB, sm_90; "a100": A100/A800 SXM
+  80 GB, sm_80)."""
+  if target not in TARGETS:
+    raise ValueError(f"target {target!r} is not one of {sorted(TARGETS)}; use e.g. --target=h100")
+  with open(os.path.join(os.path.dirname(__file__), "gpu_targets", TARGETS[target])) as f:
+    return f.read()
+
+
+def plugin_installed() -> bool:
+  """Whether jax's CUDA plugin (the `gpu-aot` extra) is installed."""
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # no jax_plugins package at all
+    return False
+
+
+def check_plugin() -> None:
+  """Raises `PluginMissing` (one line naming the pip command) when jax's CUDA plugin is not installed."""
+  if not plugin_installed():
+    raise PluginMissing(f"compiling for GPUs needs jax's CUDA plugin (jax-cuda12-plugin, jax-cuda12-pjrt "
+                        f"{jax.__version__} and nvidia-cuda-nvcc-cu12); install it with: {PIP}")
+
+
+def devices(target: str, nodes: int, gpus: int) -> list:
+  """`nodes` x `gpus` compile-only devices of `target` (topology "1 x nodes x gpus")."""
+  from jax.experimental import topologies
+
+  if nodes < 1 or gpus < 1:
+    raise ValueError(f"a mesh of {nodes}x{gpus} GPUs: use positive NODESxGPUS, e.g. 2x4")
+  check_plugin()
+  try:
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(target),
+                                        topology=f"1x{nodes}x{gpus}")
+  except Exception as e:  # the plugin's errors are XlaRuntimeErrors of several kinds
+    raise PluginMissing(f"jax's CUDA plugin could not describe {nodes}x{gpus} {target} GPUs ({e}); run with "
+                        f"JAX_PLATFORMS=cpu and the plugin of jax {jax.__version__} ({PIP})") from None
+  return list(topo.devices)
+
+
+def is_gpu(mesh_) -> bool:
+  """Whether a mesh's devices are GPUs (real or compile-only)."""
+  devs = getattr(mesh_, "devices", None)
+  return devs is not None and hasattr(devs, "flat") and next(iter(devs.flat)).platform in ("gpu", "cuda")
+
+
+def compiler_options(mesh_) -> dict:
+  """The XLA options the executor compiles with on `mesh_`: `GPU_COMPILER_OPTIONS` on GPUs, else none."""
+  return dict(GPU_COMPILER_OPTIONS) if is_gpu(mesh_) else {}
