@@ -33,6 +33,7 @@ def check_against_reference(ex, apply_fn, batch, mesh):
   return ex.logical_variables(state), stats
 
 
+@pytest.mark.slow  # flax models against the unsharded apply in the fast suite: test_flax.py
 def test_lm1b_matches_unsharded_apply(mesh):
   """Dropout in every block and in attention, a padding mask in a dict batch, tied embeddings."""
   ex = lm1b.build(SMALL_LM, zerojax.zero3(param_dtype="float32"), mesh, helpers.capture_grads())
@@ -42,6 +43,7 @@ def test_lm1b_matches_unsharded_apply(mesh):
   check_against_reference(ex, apply_fn, batch, mesh)
 
 
+@pytest.mark.slow  # BatchNorm models against the unsharded apply in the fast suite: test_flax.py
 def test_resnet_matches_unsharded_apply(mesh):
   """BatchNorm statistics: each device's, carried through its micro-batches, averaged over devices."""
   ex = resnet.build(SMALL_RESNET, zerojax.zero3(param_dtype="float32"), mesh, helpers.capture_grads())

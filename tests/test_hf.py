@@ -91,6 +91,7 @@ def run_key(state):
   return jax.random.wrap_key_data(jnp.array(state.rng))
 
 
+@pytest.mark.slow  # needs the hf extra; the fast suite checks flax models in test_flax.py
 def test_gpt2_zero3_step_equals_plain_apply_and_optax(mesh):
   """The fine-tuning step: `init_from_params(hf_model.params)`, one ZeRO-3 step with adamw, and the
   logical params equal optax's update of the plain apply's gradient, in Hugging Face's tree."""

@@ -70,7 +70,7 @@ def test_groups_replicas_and_2hop_sync_in_the_compiled_program(shape, k, model_a
 
 
 @pytest.mark.parametrize("shape,k", helpers.sweep([(s, k) for k in GROUPS for s in SHAPES],
-                                                  [((2, 4), 2), ((4, 2), 4)]))
+                                                  [((4, 2), 4)]))
 def test_gradients_equal_single_device_grad(shape, k, model_and_ref):
   """Property 9: the 2-hop sum is the gradient of DP / ZeRO-3 up to float reassociation."""
   model, params, batch, want = model_and_ref

@@ -172,7 +172,7 @@ def dense_mics():
 
 @pytest.mark.parametrize("sync", [pytest.param(plans.radius(density=1.0, period=3, dense_steps=1), marks=pytest.mark.slow),
                                   pytest.param(plans.radius(density=0.3, period=1), marks=pytest.mark.slow),
-                                  plans.radius(density=0.3, period=2, dense_steps=4)],
+                                  pytest.param(plans.radius(density=0.3, period=2, dense_steps=4), marks=pytest.mark.slow)],
                          ids=["density_1", "period_1", "before_the_switch"])
 def test_bitwise_equal_to_dense(sync, dense_mics):
   """Properties 1–3: density 1, period 1, or steps before the switch train bitwise like the dense plan
@@ -358,6 +358,7 @@ def test_restore_onto_another_mesh_and_plan(saved_mid_window):
   assert bool(m.finite)
 
 
+@pytest.mark.slow  # checkpoint round trips in the fast suite: test_checkpoint.py
 def test_checkpoints_with_and_without_radius(saved_mid_window, tmp_path):
   """A Radius checkpoint onto a dense plan is refused (its residual would be lost); a dense one onto a
   Radius plan starts with an empty residual and selects on its first step."""

@@ -70,6 +70,7 @@ def unit_chunks(ex):
   return chunks
 
 
+@pytest.mark.slow  # Table 1 structure in the fast suite: test_zeropp_table1_structure
 def test_zero3_table1_structure():
   _, found = zero3()
   fwd, bwd, red = (by_role(found, r) for r in analysis.TABLE1_ROLES)
@@ -192,6 +193,7 @@ def test_step_report_relative_to_model_bytes():
   json.dumps(report)
 
 
+@pytest.mark.slow  # compiled collectives per plan in the fast suite: the other tests here
 def test_dp_has_only_all_reduces():
   _, found = step("dp", plans.dp(param_dtype="bfloat16"))
   assert {c.op for c in found} == {"all-reduce"}

@@ -251,8 +251,7 @@ class Executor:
     device-averaged mutable collections, new error rows; Radius's phases also take and return the
     residual (and the sparse one the window's indices)."""
     plan, model = self.plan, self.model
-    p_shards = self._param_shards(master)
-    k_g = group_size(self.mesh, plan.grad_axes)
+    p_shards, k_g = self._param_shards(master), group_size(self.mesh, plan.grad_axes)
     zeros_g = jax.tree.map(lambda l: jnp.zeros(l.flat_shape(k_g), plan.reduce_dtype), self.layout.tree(),
                            is_leaf=layout_lib.is_layout)
     rank = lax.axis_index(self.data_axes)  # node-major, as the batch is sharded
