@@ -2,7 +2,7 @@
 # The run kit for a machine with NVIDIA GPUs, in one command: bash benchmarks/gpu/run.sh [OUT_DIR]
 #   1. the GPU-marked tests (`gpu`: run on the GPU; `gpu_compile`: the compile-only schedule checks);
 #   2. bench_kernels.py for every backend the device runs (xla, pallas, triton) -> OUT_DIR/kernels.json
-#      (device, jax, rows of op/backend/bits/elements/gbps/ratio_to_copy; the full output beside it);
+#      (device, jax, rows of op/backend/bits/elements/gbps/ratio_to_copy; outputs checked bitwise across backends);
 #   3. a profiled train step of configs/zeropp.gin -> OUT_DIR/profile/ (a jax.profiler trace for
 #      TensorBoard/Perfetto: where the collectives run beside the kernels, what only a GPU can show).
 # Install first: pip install -e '.[test,bench,gpu,gpu-aot]' with a CUDA jax (pip install 'jax[cuda12]').
@@ -17,16 +17,7 @@ echo "== GPU tests"
 env -u JAX_PLATFORMS "$PY" -m pytest -q -m "gpu or gpu_compile" tests/ || status=1
 
 echo "== kernels"
-env -u JAX_PLATFORMS "$PY" benchmarks/bench_kernels.py > "$OUT/kernels_full.json" || status=1
-"$PY" - "$OUT" <<'PYEOF' || status=1
-import json, sys
-out = sys.argv[1]
-full = json.load(open(f"{out}/kernels_full.json"))
-rows = [{"op": r["op"], "backend": r["backend"], "bits": r["bits"], "elements": r["elements"],
-         "gbps": r["gbps"], "ratio_to_copy": r.get("ratio_to_copy", r.get("vs_copy"))} for r in full["ops"]]
-json.dump({"device": full["device"], "jax": full["jax"], "rows": rows}, open(f"{out}/kernels.json", "w"), indent=1)
-print(f"wrote {out}/kernels.json: {len(rows)} rows on {full['device']}")
-PYEOF
+env -u JAX_PLATFORMS "$PY" benchmarks/bench_kernels.py --out "$OUT/kernels.json" || status=1
 
 echo "== profiled train step"
 env -u JAX_PLATFORMS "$PY" - "$OUT" <<'PYEOF' || status=1
