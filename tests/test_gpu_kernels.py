@@ -167,16 +167,18 @@ def test_pallas_refuses_what_it_cannot_lower(platform, block, error, match):
 @pytest.mark.gpu_compile
 @pytest.mark.slow
 @needs_plugin
-@pytest.mark.parametrize("rotate", [False, True])
-def test_zeropp_train_step_with_pallas_compiles_triton_kernels_for_h100s(rotate):
+@pytest.mark.parametrize("rotate,prefetch", [(False, False), (True, None)])
+def test_zeropp_train_step_with_pallas_compiles_triton_kernels_for_h100s(rotate, prefetch):
   """A ZeRO++ step with kernel_backend="pallas" compiled for 2 x 4 H100s runs its quantization in
   Triton kernels, none interpreted: per unit (embed, scanned blocks, head) the qwZ gather quantizes
   and dequantizes, and the qgZ reduction reorders+quantizes, dequantizes-sums-requantizes inside the
-  node and dequantizes-sums across nodes."""
+  node and dequantizes-sums across nodes. With the per-layer path (prefetch=False) that is one kernel
+  of each kind per unit; with the GPU default (prefetch on) the schedule runs one layer of the scanned
+  stack outside its loop, so each kind appears once more."""
   import zerojax
   from tests.helpers import TINY, optimizer, tiny_gpt
   mesh = Mesh(np.array(_devices("h100", "1x2x4")).reshape(N, G), ("node", "gpu"))
-  plan = zerojax.plan.zeropp(kernel_backend="pallas", rotate=rotate)
+  plan = zerojax.plan.zeropp(kernel_backend="pallas", rotate=rotate, prefetch=prefetch)
   ex = zerojax.Executor(tiny_gpt(), optimizer(), plan, mesh, accum_steps=1)
   shapes = jax.eval_shape(ex.init, jax.random.key(0))
   state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
@@ -186,10 +188,12 @@ def test_zeropp_train_step_with_pallas_compiles_triton_kernels_for_h100s(rotate)
   triton, interpreted = kernels_in(hlo)
   assert not interpreted, dict(interpreted)
   units = len(ex.param_specs)
-  assert triton == {k: units for k in ("zerojax_quantize", "zerojax_dequantize",
-                                       "zerojax_reorder_quantize", "zerojax_dequant_sum_quantize",
-                                       "zerojax_dequant_sum")}, triton
-  assert hlo.count(PALLAS_TRITON) == 5 * units
+  assert ex.plan.prefetch is (prefetch is None)  # None: on for GPUs
+  per_kind = units if prefetch is False else units + 1
+  assert triton == {k: per_kind for k in ("zerojax_quantize", "zerojax_dequantize",
+                                          "zerojax_reorder_quantize", "zerojax_dequant_sum_quantize",
+                                          "zerojax_dequant_sum")}, triton
+  assert hlo.count(PALLAS_TRITON) == 5 * per_kind
 
 
 # --- jax-triton -----------------------------------------------------------------------------------
