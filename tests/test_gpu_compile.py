@@ -87,15 +87,17 @@ def test_head_gathers_in_its_own_backward():
   assert rep["backward_gathers_in_forward"] == []
 
 
-def test_at_most_two_gathered_layers_alive_in_the_forward_loop():
-  """While the forward's layer loop runs (prefetch carries the next layer), at most two layers' gathered
-  weights are alive and nothing gathered outside it (the head's merged re-gather kept the head's weights
-  through it); read from the live ranges of the gathered arrays in the scheduled program."""
+def test_at_most_two_gathered_layers_alive_in_the_layer_loops():
+  """While the forward's and the backward's layer loops run (prefetch carries the next layer), at most two
+  layers' gathered weights are alive and nothing gathered outside them: not the head's merged re-gather
+  (which kept the head's weights through the forward), not the head's forward gather (kept through the
+  backward while XLA computed the loss, an output only, at the step's end); read from the live ranges
+  of the gathered arrays in the scheduled program."""
   rep = compiled("configs/zero3.gin", small=False)["report"]
   layer = max(2 * c["result_shapes"][0][0] * c["result_shapes"][0][1] for c in rep["collectives"]
               if c["in_layer_loop"] and c["op"] == "all-gather")  # u16 words of one layer
-  loops = [e for e in rep["gathered_alive"]["layer_loops"] if e["direction"] == "forward"]
-  assert loops
+  loops = rep["gathered_alive"]["layer_loops"]
+  assert {e["direction"] for e in loops} == {"forward", "backward"}, loops
   for e in loops:
     assert e["outside_bytes"] == 0, e
     assert 0 < e["bytes"] <= 2 * layer, (e, layer)

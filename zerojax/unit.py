@@ -187,13 +187,24 @@ def _sharded_fwd(f, meta, shards, sinks, qgz, *args):
   window = sinks if meta.sync_axes else None
   mode = meta.plan.remat_mode
   if mode == "full":  # the backward recomputes the forward from the inputs
-    return f(params_tree(meta, flats), *args), (kept, args, window, qgz)
+    out = f(params_tree(meta, flats), *args)
+    return out, (kept, args, window, qgz, _scalars(out))
   out, saved = remat.forward(f, mode, params_tree(meta, flats), *args)  # activations, no weights
-  return out, (kept, saved, window, qgz)
+  return out, (kept, saved, window, qgz, _scalars(out))
+
+
+def _scalars(out):
+  """A unit's output when it is scalars only (the loss and its metrics), else None: the backward waits
+  for it on GPUs, so XLA computes the loss where the forward ends instead of at the end of the step,
+  and the unit's forward-gathered weights are not kept alive through the backward's layer loop."""
+  leaves = jax.tree.leaves(out)
+  return out if leaves and all(getattr(x, "size", 2) == 1 for x in leaves) else None
 
 
 def _sharded_bwd(f, meta, residuals, g):
-  kept, args, window, qgz = residuals
+  kept, args, window, qgz, out = residuals
+  if out is not None:  # on GPUs only; XLA:CPU's program is left as it was
+    g = lax.platform_dependent(g, out, cpu=lambda c, o: c, default=ordered_after)
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
   # gather (keeping full weights alive across the whole step) nor hoist it early.
   kept, g = lax.optimization_barrier((kept, g))
