@@ -21,67 +21,28 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import quantization as Q
+from zerojax import gpu_aot, quantization as Q
 
 BLOCK = 64
 N, G = 2, 4
 
-H100 = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
-  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
-  device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 minor: 0 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 }
-runtime_version { major: 12 minor: 9 patch: 0 }
-device_description_str: "NVIDIA H100 80GB HBM3"
-"""
-
-A100 = """
-gpu_device_info {
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 167936 threads_per_core_limit: 2048 core_count: 108 fpus_per_core: 64
-  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: 2039000000000 l2_cache_size: 41943040 clock_rate_ghz: 1.41
-  device_memory_size: 85051572224 shared_memory_per_block_optin: 166912
-  cuda_compute_capability { major: 8 minor: 0 }
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 }
-runtime_version { major: 12 minor: 9 patch: 0 }
-device_description_str: "NVIDIA A100-SXM4-80GB"
-"""
-TARGETS = {"h100": (H100, 90), "a100": (A100, 80)}
+CC = {"h100": 90, "a100": 80}  # compute capability of each target (zerojax/gpu_targets/)
 
 PALLAS_TRITON = 'custom_call_target="__gpu$xla.gpu.triton"'
 JAX_TRITON = 'custom_call_target="triton_kernel_call"'
 KERNEL_OP = re.compile(r'op_name="[^"]*?(zerojax_[a-z_]+)/([^"]*)"')
 
 
-def _found(module: str) -> bool:
-  try:
-    return importlib.util.find_spec(module) is not None
-  except ModuleNotFoundError:
-    return False
-
-
-GPU_AOT_REASON = "needs the jax CUDA plugin: pip install -e '.[gpu-aot]'"
-needs_plugin = pytest.mark.skipif(not _found("jax_plugins.xla_cuda12"), reason=GPU_AOT_REASON)
+GPU_AOT_REASON = f"needs the jax CUDA plugin: {gpu_aot.PIP}"
+needs_plugin = pytest.mark.skipif(not gpu_aot.plugin_installed(), reason=GPU_AOT_REASON)
 needs_jax_triton = pytest.mark.skipif(
-    not (_found("jax_plugins.xla_cuda12") and _found("jax_triton")), reason=GPU_AOT_REASON)
+    not (gpu_aot.plugin_installed() and importlib.util.find_spec("jax_triton")), reason=GPU_AOT_REASON)
 
 
 @functools.cache
 def _devices(target: str, topology: str):
-  from jax.experimental import topologies
-  return topologies.get_topology_desc(platform="cuda", target_config=TARGETS[target][0],
-                                      topology=topology).devices
+  nodes, gpus = (int(v) for v in topology.split("x")[1:])
+  return gpu_aot.devices(target, nodes, gpus)
 
 
 def _on_one_gpu(target, *shapes):
@@ -253,7 +214,7 @@ def test_triton_kernels_compile_for_gpus_without_one(target, monkeypatch, tmp_pa
   """backend='triton' lowers on this CPU host for the target's compute capability, compiles, and
   its PTX (version 8.x, that of CUDA 12) is assembled by the runtime's ptxas for the target's arch."""
   from pallas_kernels import triton_block_quant
-  cc = TARGETS[target][1]
+  cc = CC[target]
   monkeypatch.setenv(triton_block_quant.CC_ENV, str(cc))
   for k in triton_block_quant.PTXAS_ENV:
     monkeypatch.delenv(k, raising=False)
@@ -285,7 +246,7 @@ def test_triton_without_compute_capability_names_the_fix(monkeypatch):
     jax.jit(lambda x: Q.quantize(x, 8, BLOCK, backend="triton")).lower(x)
 
 
-@pytest.mark.skipif(not _found("jax_triton"), reason="needs jax-triton: pip install -e '.[gpu]'")
+@pytest.mark.skipif(not importlib.util.find_spec("jax_triton"), reason="needs jax-triton: pip install -e '.[gpu]'")
 def test_triton_lowered_for_cpu_raises():
   with pytest.raises(RuntimeError, match="lowered for cpu; use backend='xla' or 'pallas'"):
     jax.jit(lambda x: Q.quantize(x, 8, BLOCK, backend="triton")).lower(_x())

@@ -20,8 +20,8 @@ from zerojax.analysis import (collectives_from_hlo, render_collectives, render_t
                               step_hlo, step_report, summarize)
 
 
-def gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):
-  """Parses the gin config as `train.py` does and builds its executor; returns it with `train`'s args."""
+def gin_train_args(gin_files: list[str], gin_params: list[str]) -> dict:
+  """Parses the gin config as `train.py` does; returns `train`'s arguments (defaults and bindings)."""
   import gin
 
   from zerojax.train import config as config_lib, trainer
@@ -35,9 +35,23 @@ def gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):
   args.update(gin.get_bindings(trainer.train))
   if args.get("plan", gin.REQUIRED) is gin.REQUIRED:
     raise SystemExit("error: the gin config sets no plan; bind train.plan (e.g. include configs/zero3.gin)")
-  shared = [k for k in inspect.signature(trainer.build).parameters if k not in ("plan", "num_nodes") and k in args]
-  ex = trainer.build(args["plan"], nodes, **{k: args[k] for k in shared})
+  return args
+
+
+def build_executor(args: dict, nodes: int, devices=None):
+  """`train`'s executor for its arguments `args` on `nodes` nodes of `devices` (default `jax.devices()`);
+  returns it with `args` and the model config."""
+  from zerojax.train import trainer
+
+  shared = [k for k in inspect.signature(trainer.build).parameters
+            if k not in ("plan", "num_nodes", "devices") and k in args]
+  ex = trainer.build(args["plan"], nodes, devices=devices, **{k: args[k] for k in shared})
   return ex, args, trainer.model_config()
+
+
+def gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):
+  """Parses the gin config as `train.py` does and builds its executor; returns it with `train`'s args."""
+  return build_executor(gin_train_args(gin_files, gin_params), nodes)
 
 
 def main(argv=None) -> None:

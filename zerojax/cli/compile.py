@@ -12,7 +12,6 @@ writes the scheduled GPU program.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 import time
@@ -21,6 +20,7 @@ import jax
 import numpy as np
 
 from zerojax import gpu_aot
+from zerojax.cli import account
 from zerojax.analysis import collectives_from_hlo
 from zerojax.analysis.schedule import (gathered_alive, kernel_counts, merged_backward_gathers, overlap_summary,
                                        schedule_from_hlo)
@@ -32,28 +32,13 @@ GB = 1e9
 def gin_executor(gin_files: list[str], gin_params: list[str], target: str, nodes: int, gpus: int):
   """The executor `train.py` builds for the gin config, on `nodes` x `gpus` compile-only `target` GPUs;
   returns it with `train`'s arguments."""
-  import gin
-
   from zerojax import planner
-  from zerojax.train import config as config_lib, trainer
 
-  try:
-    config_lib.parse(gin_files, gin_params)
-  except config_lib.ConfigError as e:
-    raise SystemExit(f"error: {e}") from None
-  args = {k: v.default for k, v in inspect.signature(trainer.train).parameters.items()
-          if v.default is not inspect.Parameter.empty}
-  args.update(gin.get_bindings(trainer.train))
-  if args.get("plan", gin.REQUIRED) is gin.REQUIRED:
-    raise SystemExit("error: the gin config sets no plan; bind train.plan (e.g. include configs/zero3.gin)")
+  args = account.gin_train_args(gin_files, gin_params)
   if isinstance(args["plan"], planner.Auto):
     raise SystemExit("error: train.plan=@auto() picks its plan by measuring this machine's collectives; "
                      "compile the config of the plan it picks (e.g. configs/zero3.gin)")
-  shared = [k for k in inspect.signature(trainer.build).parameters
-            if k not in ("plan", "num_nodes", "devices") and k in args]
-  ex = trainer.build(args["plan"], nodes, devices=gpu_aot.devices(target, nodes, gpus),
-                     **{k: args[k] for k in shared})
-  return ex, args, trainer.model_config()
+  return account.build_executor(args, nodes, devices=gpu_aot.devices(target, nodes, gpus))
 
 
 def abstract_inputs(ex, batch_shape):
