@@ -7,12 +7,15 @@ space with auto's default model (`python -m zerojax.cli.plan --json`: DP's compu
 process, every collective from the profile, every technique, Pareto-pruned; `--lossy` adds int4 weights
 and Radius). Then, in `--reps` interleaved rounds, the cluster runs:
 
-  auto      `train.plan = @auto()` with that profile, end to end (every process plans, one decision)
+  auto      `train.plan = @auto()` with that profile, end to end (every process plans, one decision; its
+            trials run the fastest predicted plans and the named ones on the cluster, `planner.trial`)
   named     ZeRO-3, ZeRO++ and MiCS with group = node, as their configs (`configs/*.gin`) run them
   points    the candidates of `--space`: `top` (default) the `--top` fastest predicted points; `front`
             every point the pruned ranking keeps; `all` every point of the space (slow: 129 at 2 x 4)
 
-Per cell: auto's choice and step time, the named plans', the measured best (of what was run), auto over
+Per cell: the model's choice (`auto.trials = 0`) and the plans auto ran after its trials (one per
+round), auto's step time and its run's wall time beside ZeRO-3's (the trials' start-up cost), the named
+plans', the measured best (of what was run), auto over
 best (the goal: within 5%, never above 1.10x) and Spearman's rank correlation of predicted and measured
 step times over the points with a prediction. Step times are medians over the rounds (interleaved, so a
 slow phase of the machine falls on every plan alike); run it on a quiet machine.
@@ -116,11 +119,14 @@ def cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> 
   runs.update(NAMED)
   runs["auto"] = ["train.plan=@auto()", f"auto.profile='{prof_path}'", f"auto.lossy={args.lossy}",
                   f"auto.compute='{args.compute}'"]
-  measured = {}
+  measured, walls, auto_plans = {}, {}, []
   for rep in range(args.reps):
     for name, params in runs.items():
       r = bench_mics.run_one(nodes, gpus, rate, accum, params, args)
       measured.setdefault(name, []).append(r["median_step_time_s"])
+      walls.setdefault(name, []).append(r["wall_s"])
+      if name == "auto":
+        auto_plans.append(r["plan"])
       print(f"bench_planner: {nodes}x{gpus} {rate} accum {accum} rep {rep} {name}: {r['median_step_time_s']:.3f} s/step",
             file=sys.stderr, flush=True)
   t = {k: statistics.median(v) for k, v in measured.items()}
@@ -131,6 +137,8 @@ def cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> 
   names = sorted(predicted)
   return {
       "shape": f"{nodes}x{gpus}", "rate": rate, "accum": accum, "auto_choice": chosen,
+      "auto_plans": auto_plans, "auto_wall_s": statistics.median(walls["auto"]),
+      "zero3_wall_s": statistics.median(walls["zero3"]),
       "auto_predicted_s": pred["every"][chosen]["T_step"], "auto_s": t["auto"], "auto_choice_s": t[chosen],
       "zero3_s": t["zero3"], "zeropp_s": t["zeropp"], "mics_node_s": t["mics_node"], "best": best,
       "best_s": t[best], "auto_over_best": t["auto"] / t[best], "auto_choice_over_best": t[chosen] / t[best],
@@ -165,6 +173,8 @@ def main(argv=None) -> int:
   if os.geteuid() != 0:
     print("bench_planner: the cluster emulator needs root", file=sys.stderr)
     return 1
+  # The same programs run once per round: later rounds load them from the persistent cache.
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="zjx-jax-cache-"))
   report = {"argv": sys.argv[1:] if argv is None else list(argv), "date": datetime.date.today().isoformat(),
             "cpus": os.cpu_count(), "reps": args.reps, "space": args.space, "top": args.top, "lossy": args.lossy,
             "compute": args.compute,
@@ -191,10 +201,11 @@ def markdown(report: dict) -> str:
             f"the fastest of what was run (space `{report['space']}`"
             + (f", the {report['top']} fastest predicted points" if report["space"] == "top" else "")
             + ", the named plans and auto). Spearman: predicted vs measured over the points and named plans."), "",
-           "| cluster | rate | accum | auto's choice | auto s | ZeRO-3 s | ZeRO++ s | MiCS (node) s | best | best s "
-           "| auto / best | Spearman |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| cluster | rate | accum | model's choice | auto ran (per round) | auto s | ZeRO-3 s | ZeRO++ s | MiCS (node) s "
+           "| best | best s | auto / best | Spearman |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for c in report["cells"]:
-    lines.append(f"| {c['shape']} | {c['rate']} | {c['accum']} | `{c['auto_choice']}` | {c['auto_s']:.3f} | "
+    ran = ", ".join(f"`{p}`" for p in c.get("auto_plans", []))
+    lines.append(f"| {c['shape']} | {c['rate']} | {c['accum']} | `{c['auto_choice']}` | {ran} | {c['auto_s']:.3f} | "
                  f"{c['zero3_s']:.3f} | {c['zeropp_s']:.3f} | {c['mics_node_s']:.3f} | `{c['best']}` | {c['best_s']:.3f} | "
                  f"{c['auto_over_best']:.2f} | {c['spearman']:.2f} |")
   return "\n".join(lines + [""])

@@ -2,7 +2,8 @@
 measurements forced to disagree: each process reads its own profile (process 0: 1 MB/s between nodes,
 process 1: 1 TB/s) and process 1's compute measurements are 3x process 0's. Writes what it would have
 chosen alone, the plan it built, the planner's table it got, the loss of one step of that plan, and
-the error it got when process 0 alone rejects its profile file.
+the error it got when process 0 alone rejects its profile file; then auto with one trial whose first
+candidate process 1 times 100x slower: the plan each process chose after the trials and the table.
 
 Usage: python tests/mp_auto_worker.py PROCESS_ID PORT OUT_DIR
 """
@@ -21,7 +22,7 @@ import numpy as np  # noqa: E402
 
 import zerojax  # noqa: E402
 from zerojax import planner  # noqa: E402
-from zerojax.planner import compute as compute_lib, links  # noqa: E402
+from zerojax.planner import compute as compute_lib, links, trial  # noqa: E402
 from zerojax.train import trainer  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def main(pid, port, out):
     return measured[-1], t
   compute_lib.measure = slowed
   gin.parse_config(["model_config.d_model = 32", "model_config.num_layers = 2", "model_config.seq_len = 16"])
-  ex = trainer.build(planner.auto(profile=path), accum_steps=1, batch_size=8)
+  ex = trainer.build(planner.auto(profile=path, trials=0), accum_steps=1, batch_size=8)
   alone = planner.choose(planner.rank(2, 4, planner.workload(ex), prof, techniques=True))["plan"]
   state, step = ex.init(jax.random.key(0)), ex.step_fn()
   b = np.random.default_rng(0).integers(0, 256, (1, 8, 17)).astype(np.int32)
@@ -53,8 +54,19 @@ def main(pid, port, out):
     error = None
   except planner.PlanError as e:
     error = str(e)
+  # trials whose local times disagree: process 1 times the first candidate 100x slower than it runs
+  local, time_step = {}, trial.time_step
+
+  def timed(executor, batch, steps=3):
+    s = time_step(executor, batch, steps) * (100 if pid == 1 and not local else 1)
+    local[executor.plan.name] = s
+    return s
+  trial.time_step = timed
+  tried = trainer.build(planner.auto(profile=path, trials=1, trial_steps=1), accum_steps=1, batch_size=8)
   with open(os.path.join(out, f"auto{pid}.json"), "w") as f:
-    json.dump({"alone": alone, "measured": measured, "plan": ex.plan.name, "error": error, "rows": ex.planner_rows, "loss": float(m.loss)}, f)
+    json.dump({"alone": alone, "measured": measured, "plan": ex.plan.name, "error": error, "rows": ex.planner_rows,
+               "loss": float(m.loss), "trial_local": local, "trial_plan": tried.plan.name,
+               "trial_rows": tried.planner_rows}, f)
   print(f"process {pid} ran {ex.plan.name}", flush=True)
 
 

@@ -44,6 +44,7 @@ OVERRIDES = (
     "model_config.num_layers = 2", "train.steps = 3", "train.batch_size = 16", "train.accum_steps = 2",
     "radius.dense_steps = 1", "radius.period = 2",
     f"auto.profile = '{GOLDEN / 'profile_2x4.json'}'",  # a fixed 2 x 4 link profile: a fixed choice
+    "auto.trials = 0",  # trials time plans on this machine: the choice would follow its load
 )
 
 

@@ -83,3 +83,10 @@ def test_auto_is_one_decision_for_the_cluster(tmp_path):
   assert all(r["compute_s"] == slowest for r in got[0]["rows"])
   # a profile that process 0 rejects stops both processes with its error (not process 1 profiling alone)
   assert got[0]["error"] == got[1]["error"] and "measured on 4 nodes x 2 gpus" in got[1]["error"]
+  # trials: each is timed on every process and the slowest process's time decides, so both processes
+  # choose the same plan even where process 1 alone measured its first candidate 100x slower
+  assert got[0]["trial_plan"] == got[1]["trial_plan"] and got[0]["trial_rows"] == got[1]["trial_rows"]
+  tried = {r["plan"]: r["trial_s"] for r in got[0]["trial_rows"] if "trial_s" in r}
+  assert set(tried) == set(got[0]["trial_local"]) == set(got[1]["trial_local"]) and len(tried) >= 3
+  assert all(tried[n] == max(got[0]["trial_local"][n], got[1]["trial_local"][n]) for n in tried)
+  assert got[0]["trial_plan"] == min(tried, key=tried.get)

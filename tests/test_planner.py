@@ -145,8 +145,8 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile_and_a_plan_under_the_
   gin.clear_config()
   gin.parse_config(["model_config.d_model = 32", "model_config.num_layers = 2", "model_config.seq_len = 16"])
   try:
-    ex = trainer.build(planner.auto(profile=str(path), compute="uniform", techniques=False), 2, accum_steps=2,
-                       batch_size=8)
+    ex = trainer.build(planner.auto(profile=str(path), compute="uniform", techniques=False, trials=0), 2,
+                       accum_steps=2, batch_size=8)
     rows = ex.planner_rows
     assert ex.plan.name == rows[0]["plan"] and rows == sorted(rows, key=lambda r: r["T_step"])
     assert rows[0]["s_g"] <= 4 and rows[0]["s_p"] <= 4
@@ -157,7 +157,7 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile_and_a_plan_under_the_
     cap_gb = mics["bytes_per_device"] * (1 - 1e-6) / 2**30
     capsys.readouterr()
     capped = trainer.build(planner.auto(profile=str(path), memory_cap_gb=cap_gb, compute="uniform",
-                                        techniques=False), 2, accum_steps=2, batch_size=8)
+                                        techniques=False, trials=0), 2, accum_steps=2, batch_size=8)
   finally:
     gin.clear_config()
   log = capsys.readouterr().out

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from zerojax import mesh as mesh_lib
-from zerojax.planner import agree
+from zerojax.planner import agree, trial
 from zerojax.planner.cost import Workload, comm_time, model_state_bytes, quant_time, step_time
 from zerojax.planner.space import Point, grad_options, param_options, plan_space
 
@@ -83,7 +83,7 @@ def pareto(rows: list[dict]) -> list[dict]:
 
 def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_bytes: float | None = None,
          techniques: bool = False, lossy: bool = False, compute: dict | None = None, overlap: str = "none",
-         prune: bool = True) -> list[dict]:
+         prune: bool = True, keep: tuple[Point, ...] = ()) -> list[dict]:
   """One row per point, fastest predicted step first: name, degrees, techniques, times, memory, fits.
 
   `techniques` ranks every technique on every degree point (`space.with_techniques`; `lossy` adds int4
@@ -94,7 +94,8 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
 
   `compute` is `planner.compute.per_plan`'s table over the degree points (None: `work.compute_s` for
   every plan, AMSP as written); its `quant_s_per_element` prices qwZ/qgZ's kernels. Each row also holds
-  `T_step_uniform`, the step predicted with DP's compute for every plan, to compare."""
+  `T_step_uniform`, the step predicted with DP's compute for every plan, to compare. The points in `keep`
+  (e.g. the named plans, `trial.baselines`) always have a row, pruned or not."""
   rows = []
   uniform = compute is None or compute["mode"] == "uniform"
   c0 = work.compute_s if compute is None else compute["dp_s"]
@@ -116,7 +117,9 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
       grads = [point_of(r) for r in pareto([row(g) for g in grads])]
     combos = [row(dataclasses.replace(p, **{k: getattr(g, k) for k in ("grad_bits", "reduce16", "radius")}))
               for p in params for g in grads]
-    rows += pareto(combos) if prune else combos
+    kept = pareto(combos) if prune else combos
+    have = {point_of(r) for r in kept}
+    rows += kept + [row(pt) for pt in keep if pt.base == base and pt not in have]
   return sorted(rows, key=lambda r: (r["T_step"], r["bytes_per_device"], r["plan"]))
 
 
@@ -132,7 +135,12 @@ def choose(rows: list[dict], memory_cap_bytes: float | None = None) -> dict:
 
 def why(rows: list[dict], best: dict, memory_cap_gb: float | None = None) -> str:
   """One line: the chosen plan, and the faster plans the memory cap ruled out with their needs."""
-  out = f"{best['plan']}: fastest predicted step ({best['T_step']:.3f} s)"
+  tried = [r for r in rows if "trial_s" in r]
+  if "trial_s" in best:
+    out = (f"{best['plan']}: fastest of the {len(tried)} plans measured on this cluster ({best['trial_s']:.3f} s "
+           f"per step; predicted {best['T_step']:.3f} s)")
+  else:
+    out = f"{best['plan']}: fastest predicted step ({best['T_step']:.3f} s)"
   faster = [r for r in rows[:rows.index(best)] if not r["fits"]]
   if faster:
     need = ", ".join(f"{r['plan']} {r['bytes_per_device'] / 2**30:.4f} GiB" for r in faster[:4])
@@ -151,12 +159,13 @@ def point_of(row: dict) -> Point:
 
 def render(rows: list[dict], chosen: dict | None = None) -> str:
   head = (f"{'plan':<36}{'s_p':>4}{'s_g':>4}{'s_os':>5}{'C s':>8}{'T_comm s':>10}{'T_step s':>10}{'MB/device':>11}"
-          "  fits")
+          "  fits" + ("  trial s" if any("trial_s" in r for r in rows) else ""))
   lines = [head, "-" * len(head)]
   for r in rows:
     mark = " <- chosen" if chosen is not None and r is chosen else ""
+    tried = f"{r['trial_s']:>9.3f}" if "trial_s" in r else ""
     lines.append(f"{r['plan']:<36}{r['s_p']:>4}{r['s_g']:>4}{r['s_os']:>5}{r['compute_s']:>8.3f}{r['T_comm']:>10.3f}"
-                 f"{r['T_step']:>10.3f}{r['bytes_per_device'] / 1e6:>11.2f}  {'yes' if r['fits'] else 'no'}{mark}")
+                 f"{r['T_step']:>10.3f}{r['bytes_per_device'] / 1e6:>11.2f}  {'yes' if r['fits'] else 'no '}{tried}{mark}")
   return "\n".join(lines)
 
 
@@ -175,6 +184,10 @@ class Auto:
       measured in this process, every collective from the profile; it ranked plans best on the emulated
       cluster), "anchors" (four plans measured, the rest fitted), "measured" (every plan measured).
     overlap: "none" (step = compute + communication) or "full" (the larger of the two).
+    trials: how many of the fastest predicted plans that fit are run on this cluster before choosing
+      (`planner.trial`), with ZeRO-3, ZeRO++ and MiCS (group = node) where they fit; the fastest
+      measured is chosen. 0: choose on the prediction alone.
+    trial_steps: timed steps per trial (after one warm-up step; the median is taken).
 
   On several processes the decision is one for the whole cluster (`planner.agree`): process 0 says
   whether the profile file exists, the measured compute is the slowest process's, process 0 ranks and
@@ -187,6 +200,14 @@ class Auto:
   compute: str = "uniform"
   overlap: str = "none"
   name: str = "auto"
+  trials: int = 3
+  trial_steps: int = 3
+
+  def __post_init__(self):
+    if not isinstance(self.trials, int) or self.trials < 0:
+      raise ValueError(f"auto.trials = {self.trials!r}: use a count >= 0 (0: choose on the prediction alone)")
+    if not isinstance(self.trial_steps, int) or self.trial_steps < 1:
+      raise ValueError(f"auto.trial_steps = {self.trial_steps!r}: use a count >= 1")
 
   def load(self, mesh, log=print) -> dict | None:
     """The profile file, or a profile measured now (written to `self.profile` when that is set). Whether
@@ -217,8 +238,9 @@ class Auto:
 
   def plan_for(self, mesh, work: Workload, make_executor, batch, log=print):
     """(the chosen Plan, the ranked rows) for `mesh` and the workload; `make_executor(Plan)` builds the
-    model under a plan on the mesh, `batch` one step's batch, to measure compute. Every process gets
-    the same plan and rows (process 0's decision on the slowest process's compute)."""
+    model under a plan on the mesh, `batch` one step's batch, to measure compute and run the trials.
+    Every process gets the same plan and rows (process 0's ranking on the slowest process's compute,
+    then the trials' slowest-process times)."""
     from zerojax.planner import compute as compute_lib
     nodes, gpus = mesh_lib.base_shape(mesh)
     prof = self.load(mesh, log)
@@ -226,11 +248,12 @@ class Auto:
                                  mode=self.compute, log=log)
     table = agree.compute_table(table)
     cap = self.memory_cap_gb * 2**30 if self.memory_cap_gb else None
+    base = [pt for pt in trial.baselines(nodes, gpus) if self.techniques or pt == pt.base]
     decision = None
     if jax.process_index() == 0:
       try:
         rows = rank(nodes, gpus, work, prof, memory_cap_bytes=cap, techniques=self.techniques, lossy=self.lossy,
-                    compute=table, overlap=self.overlap)
+                    compute=table, overlap=self.overlap, keep=tuple(base) if self.trials else ())
         decision = {"rows": rows, "chosen": rows.index(choose(rows, cap))}
       except (PlanError, ValueError) as e:  # e.g. a profile without a group: every process stops alike
         decision = {"error": str(e)}
@@ -239,12 +262,23 @@ class Auto:
       raise PlanError(decision["error"])
     rows = decision["rows"]
     best = rows[decision["chosen"]]
+    if self.trials:
+      fitting = [(r["plan"], point_of(r)) for r in rows if r["fits"]]
+      cands = trial.candidates(fitting, self.trials, [(n, p) for n, p in fitting if p in base])
+      log(f"zerojax: auto: measuring {len(cands)} plans on this cluster ({self.trials} fastest predicted and "
+          "the named plans; `auto.trials = 0` skips this)")
+      seconds = trial.run(cands, make_executor, nodes, gpus, batch, steps=self.trial_steps, log=log)
+      for r in rows:
+        if r["plan"] in seconds:
+          r["trial_s"] = seconds[r["plan"]]
+      best = min((r for r in rows if "trial_s" in r), key=lambda r: r["trial_s"])
     log(render(rows, best))
     log(f"zerojax: auto chose {why(rows, best, self.memory_cap_gb)}")
     return point_of(best).plan(nodes, gpus), rows
 
 
 def auto(profile: str | None = None, memory_cap_gb: float | None = None, techniques: bool = True,
-         lossy: bool = False, compute: str = "uniform", overlap: str = "none") -> Auto:
+         lossy: bool = False, compute: str = "uniform", overlap: str = "none", trials: int = 3,
+         trial_steps: int = 3) -> Auto:
   """The AMSP planner as a plan value (gin: `train.plan = @auto()`, `auto.profile = 'p.json'`)."""
-  return Auto(profile, memory_cap_gb, techniques, lossy, compute, overlap)
+  return Auto(profile, memory_cap_gb, techniques, lossy, compute, overlap, trials=trials, trial_steps=trial_steps)

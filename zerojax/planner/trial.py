@@ -1,0 +1,70 @@
+"""Trials: the planner's few best predictions and the named plans, measured on this cluster.
+
+A cost model ranks a space of hundreds of plans in milliseconds, but it is a model: on the emulated
+cluster it mispredicted steps by 10–60% (in-step costs of reductions and conversions the collective
+profile does not see), enough to reorder plans a few percent apart. AMSP runs the plan its model
+chooses (§V); DeepSpeed's autotuner measures every candidate it keeps. `auto` does both: the model
+prunes the space to the `k` fastest predicted plans that fit, to which the plans a user would pick by
+hand are added (ZeRO-3, ZeRO++, MiCS with group = node, where they fit), and each of these is compiled
+and run for a few steps on the real mesh with the real batch shape; the fastest measured is chosen.
+So `auto` is never slower than a named plan it tried by more than the trials' noise.
+
+On several processes every process runs the same trials in the same order (the candidates come from
+process 0's table); each trial's time is the slowest process's (`agree.slowest`), so all choose alike.
+
+References:
+  AMSP: Chen et al. 2023, §V (planner), §VI-D (strategies compared by measurement).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+from zerojax.planner import agree
+from zerojax.planner.space import Point, named
+
+BASELINES = ("zero3", "zeropp", "mics")  # the named plans every trial set holds (where they fit)
+
+
+def baselines(nodes: int, gpus: int) -> list[Point]:
+  """The points of ZeRO-3, ZeRO++ and MiCS (group = node) on this cluster."""
+  return [named(nodes, gpus)[name] for name in BASELINES]
+
+
+def candidates(fitting: list[tuple[str, Point]], k: int, base: list[tuple[str, Point]]) -> list[tuple[str, Point]]:
+  """The first `k` of `fitting` ((name, point) of the rows that fit, fastest predicted first), then the
+  baselines `base` (those that fit) not among them."""
+  out = list(fitting[:k])
+  have = {p for _, p in out}
+  return out + [(n, p) for n, p in base if p not in have]
+
+
+def time_step(executor, batch, steps: int = 3) -> float:
+  """Median seconds of `steps` train steps of `executor` on `batch` (host array, every process the same)
+  after one warm-up step; the step is compiled once (AOT) and the state freed on return."""
+  state = executor.init(jax.random.key(0))
+  batch = jax.device_put(batch, executor.batch_sharding)
+  compiled = executor.step_fn().lower(state, batch).compile()
+  state, m = compiled(state, batch)
+  m.loss.block_until_ready()
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, m = compiled(state, batch)
+    m.loss.block_until_ready()
+    times.append(time.perf_counter() - t0)
+  del state
+  return statistics.median(times)
+
+
+def run(cands: list[tuple[str, Point]], make_executor, nodes: int, gpus: int, batch, *, steps: int = 3,
+        log=None) -> dict[str, float]:
+  """{name: seconds per step} of every candidate, each the slowest process's median (`time_step`)."""
+  out = {}
+  for i, (name, pt) in enumerate(cands):
+    out[name] = time_step(make_executor(pt.plan(nodes, gpus)), batch, steps)
+    if log:
+      log(f"zerojax: auto: trial [{i + 1}/{len(cands)}] {name}: {out[name]:.3f} s/step")
+  return agree.slowest(out)
