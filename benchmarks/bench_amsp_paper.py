@@ -196,7 +196,8 @@ def compiled_markdown(rep: dict) -> str:
             "(attention recomputed, as FlashAttention-2) for 7B/13B. Formula: model states (AMSP §IV-D) + the "
             "activation estimate; compiled: `memory_analysis()` peak per device. Fits: at most "
             f"{rep['memory_cap_gb']} GB (1e9 bytes). Nothing ran."), "",
-           "| model | plan | (s_p,s_g,s_os) | T_comm s | model states GB | formula GB | compiled peak GB | fits (formula / compiled) | compile s |",
+           ("| model | plan | (s_p,s_g,s_os) | T_comm s | model states GB | formula GB | compiled peak GB | "
+            "fits (formula / compiled) | compile s |"),
            "|---|---|---|---|---|---|---|---|---|"]
   yn = lambda b: "yes" if b else "no"
   for m, r in rep["models"].items():

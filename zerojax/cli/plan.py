@@ -99,8 +99,8 @@ def main(argv=None) -> int:
                       lossy=args.lossy, compute=table, overlap=args.overlap)
   if args.compiled_memory:
     from zerojax.planner import compiled
-    memory_of = lambda pt: compiled.memory(pt, ex.model, cfg.seq_len, nodes, gpus, args.compiled_memory, accum=ex.accum_steps,
-                                           batch_per_device=train_args["batch_size"] // world,
+    memory_of = lambda pt: compiled.memory(pt, ex.model, cfg.seq_len, nodes, gpus, args.compiled_memory,
+                                           accum=ex.accum_steps, batch_per_device=train_args["batch_size"] // world,
                                            optimizer=ex.user_optimizer, **dtypes)
     rows = compiled.check_rows(rows, memory_of, cap, args.compiled_top)
   try:
