@@ -6,7 +6,8 @@ returns N x G devices of the GPU described by a `GpuTargetConfigProto` (the file
 `zerojax/gpu_targets/`). A program sharded over them lowers and compiles with XLA's GPU pipeline
 (latency-hiding scheduler, async collectives, Triton fusions for the target's compute capability);
 nothing runs. `compiled.as_text()` is the scheduled GPU program, `compiled.memory_analysis()` its
-per-device memory.
+per-device memory (`compile_step` compiles an executor's train step for abstract inputs, `memory` reads
+the bytes).
 
 The executor compiles its step for GPU meshes (real or compile-only) with `GPU_COMPILER_OPTIONS`, so
 the program `zerojax.cli.compile` reads is the one a GPU run gets (`compiler_options`).
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 
 import jax
+import numpy as np
 
 TARGETS = {"h100": "h100.txtpb", "a100": "a100.txtpb"}
 PIP = "pip install -e '.[gpu-aot]'"
@@ -81,3 +84,26 @@ def is_gpu(mesh_) -> bool:
 def compiler_options(mesh_) -> dict:
   """The XLA options the executor compiles with on `mesh_`: `GPU_COMPILER_OPTIONS` on GPUs, else none."""
   return dict(GPU_COMPILER_OPTIONS) if is_gpu(mesh_) else {}
+
+
+def abstract_inputs(ex, batch_shape):
+  """`ShapeDtypeStruct`s with shardings of the train state and a token batch `[accum, batch, seq + 1]`."""
+  state = jax.eval_shape(ex.init, jax.random.key(0))
+  state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, ex.shardings(state))
+  ex.check_batch(batch_shape)
+  return state, jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=ex.batch_sharding)
+
+
+def compile_step(ex, batch_shape):
+  """(compiled train step, seconds to lower and compile) for abstract inputs; nothing runs."""
+  t0 = time.perf_counter()
+  compiled = ex.step_fn().lower(*abstract_inputs(ex, batch_shape)).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def memory(compiled) -> dict:
+  """Per-device bytes of the compiled program (`compiled.memory_analysis()`)."""
+  m = compiled.memory_analysis()
+  out = {k: int(getattr(m, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+  out["peak"] = int(getattr(m, "peak_memory_in_bytes", 0)) or out["argument"] + out["output"] - out["alias"] + out["temp"]
+  return out

@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import jax
-import numpy as np
 
 from zerojax import gpu_aot
+from zerojax.gpu_aot import compile_step, memory  # noqa: F401  (the compile tooling's, re-exported)
 from zerojax.cli import account
 from zerojax.analysis import collectives_from_hlo
 from zerojax.analysis.schedule import (gathered_alive, kernel_counts, merged_backward_gathers, overlap_summary,
@@ -39,29 +38,6 @@ def gin_executor(gin_files: list[str], gin_params: list[str], target: str, nodes
     raise SystemExit("error: train.plan=@auto() picks its plan by measuring this machine's collectives; "
                      "compile the config of the plan it picks (e.g. configs/zero3.gin)")
   return account.build_executor(args, nodes, devices=gpu_aot.devices(target, nodes, gpus))
-
-
-def abstract_inputs(ex, batch_shape):
-  """`ShapeDtypeStruct`s with shardings of the train state and a token batch `[accum, batch, seq + 1]`."""
-  state = jax.eval_shape(ex.init, jax.random.key(0))
-  state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, ex.shardings(state))
-  ex.check_batch(batch_shape)
-  return state, jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=ex.batch_sharding)
-
-
-def compile_step(ex, batch_shape):
-  """(compiled train step, seconds to lower and compile) for abstract inputs; nothing runs."""
-  t0 = time.perf_counter()
-  compiled = ex.step_fn().lower(*abstract_inputs(ex, batch_shape)).compile()
-  return compiled, time.perf_counter() - t0
-
-
-def memory(compiled) -> dict:
-  """Per-device bytes of the compiled program (`compiled.memory_analysis()`)."""
-  m = compiled.memory_analysis()
-  out = {k: int(getattr(m, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
-  out["peak"] = int(getattr(m, "peak_memory_in_bytes", 0)) or out["argument"] + out["output"] - out["alias"] + out["temp"]
-  return out
 
 
 def report(ex, compiled, seconds: float) -> dict:

@@ -10,6 +10,10 @@ table: plan, shard degrees, compute, communication and step seconds, bytes per d
 the compiled step's activations and temporaries), whether it fits `--memory_cap_gb`. `--json` prints the rows as JSON, each
 with `T_step_uniform`, the step AMSP's uniform-compute model predicts. Without `--profile` the
 collectives are profiled now, on this process's devices.
+
+`--compiled_memory a100` (or h100) compiles the train step of the `--compiled_top` fastest plans the
+memory model lets fit for `--mesh` compile-only GPUs of that kind (`zerojax.planner.compiled`; needs
+`pip install -e '.[gpu-aot]'`) and decides whether they fit by the compiled per-device peak instead.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import json
 import sys
 
 import numpy as np
+
+from zerojax import gpu_aot
 
 
 def main(argv=None) -> int:
@@ -37,8 +43,21 @@ def main(argv=None) -> int:
   ap.add_argument("--overlap", default="none", choices=("none", "full"),
                   help="step = compute + communication (none) or the larger of the two (full)")
   ap.add_argument("--mesh", default="2x4", help="NODESxGPUS of the cluster to plan for (default 2x4)")
+  ap.add_argument("--compiled_memory", default=None, choices=sorted(gpu_aot.TARGETS),
+                  help="decide 'fits' for the top plans by their train step compiled for this GPU kind")
+  ap.add_argument("--compiled_top", type=int, default=3, help="plans to compile with --compiled_memory")
   ap.add_argument("--json", action="store_true", help="print the ranked rows as JSON")
   args = ap.parse_args(argv)
+  if args.compiled_top < 1:
+    ap.error(f"--compiled_top {args.compiled_top}: compile at least one plan, e.g. --compiled_top 3")
+  if args.compiled_memory:
+    import jax
+    try:
+      gpu_aot.check_plugin()
+    except gpu_aot.PluginMissing as e:
+      raise SystemExit(f"error: --compiled_memory {args.compiled_memory}: {e}") from None
+    if not jax.config.jax_platforms:  # the host backend stays the CPU; the GPUs are compile-only
+      jax.config.update("jax_platforms", "cpu")
   try:
     nodes, gpus = (int(v) for v in args.mesh.lower().split("x"))
   except ValueError:
@@ -57,6 +76,13 @@ def main(argv=None) -> int:
   make = lambda p: type(ex)(ex.model, ex.user_optimizer, dataclasses.replace(p, **dtypes), ex.mesh,
                             accum_steps=ex.accum_steps)
   work = planner.workload(ex)
+  world = nodes * gpus
+  if args.compiled_memory and train_args.get("model"):
+    raise SystemExit(f"error: --compiled_memory compiles the gin GPT (model_config), not train.model="
+                     f"{train_args['model']!r}; drop --compiled_memory for a model of your own")
+  if args.compiled_memory and train_args["batch_size"] % world:
+    raise SystemExit(f"error: --compiled_memory: train.batch_size={train_args['batch_size']} does not split over "
+                     f"{world} GPUs; use a multiple of {world}")
   if args.profile:
     try:
       prof = planner.load_profile(args.profile, nodes, gpus)
@@ -71,6 +97,12 @@ def main(argv=None) -> int:
   cap = args.memory_cap_gb * 2**30 if args.memory_cap_gb else None
   rows = planner.rank(nodes, gpus, work, prof, memory_cap_bytes=cap, techniques=not args.degrees_only,
                       lossy=args.lossy, compute=table, overlap=args.overlap)
+  if args.compiled_memory:
+    from zerojax.planner import compiled
+    memory_of = lambda pt: compiled.memory(pt, ex.model, cfg.seq_len, nodes, gpus, args.compiled_memory,
+                                           accum=ex.accum_steps, batch_per_device=train_args["batch_size"] // world,
+                                           optimizer=ex.user_optimizer, **dtypes)
+    rows = compiled.check_rows(rows, memory_of, cap, args.compiled_top)
   try:
     best = planner.choose(rows, cap)
   except planner.PlanError as e:
@@ -81,6 +113,10 @@ def main(argv=None) -> int:
   else:
     print(f"mesh {nodes} x {gpus}, compute: {mode} (DP {table['dp_s']:.3f} s/step in this process)")
     print(planner.render(rows, best))
+    for r in rows:
+      if r.get("fits_by") == "compiled":
+        print(f"{r['plan']}: compiled for {args.compiled_memory} GPUs, peak {r['compiled']['peak'] / 2**30:.3f} GiB "
+              f"per device (model {r['bytes_per_device'] / 2**30:.3f} GiB): {'fits' if r['fits'] else 'does not fit'}")
     print(f"chosen: {planner.solve.why(rows, best, args.memory_cap_gb)}")
   return 0
 

@@ -9,6 +9,7 @@
 | `links`   | a profile written from a cluster's link figures (AMSP's A800 cluster)  |
 | `solve`   | ranking (Pareto-pruned), the choice under a memory cap, `auto()`      |
 | `agree`   | one decision for a multi-process cluster: reduce, then broadcast       |
+| `compiled`| a plan's per-device memory from its train step compiled for compile-only GPUs (imported on demand) |
 
 References:
   AMSP: Chen et al. 2023 (`shared/seeds/amsp.txt`).
