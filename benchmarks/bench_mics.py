@@ -83,7 +83,8 @@ def plans_for(nodes: int, gpus: int, which: str = "mics") -> dict[str, list[str]
 def run_one(nodes, gpus, rate, accum, params, args, batch: int = 32) -> dict:
   argv = ["--gin_file=configs/base.gin", f"--nodes={nodes}", f"--devices={gpus}", f"--rate={rate}",
           f"--steps={args.steps}", f"--gin_param=train.accum_steps={accum}", f"--gin_param=train.batch_size={batch}",
-          *[f"--gin_param={p}" for p in params + args.gin_param]]
+          *[f"--gin_param={p}" for p in params + args.gin_param],
+          *([f"--timeout={args.run_timeout}"] if getattr(args, "run_timeout", None) else [])]
   return cluster.run(cluster.parser().parse_args(argv))
 
 

@@ -109,6 +109,21 @@ def candidates(pred: dict, space: str, top: int) -> dict[str, dict]:
   return {r["plan"]: r for r in (rows[:top] if space == "top" else rows)}
 
 
+def run(nodes: int, gpus: int, rate: str, accum: int, params: list[str], args, what: str) -> dict | None:
+  """One emulated-cluster run; a run that fails or hangs (`--run_timeout`) is tried once more, then left
+  out of the cell (logged, and counted in the cell's `failed`)."""
+  for attempt in (1, 2):
+    try:
+      return bench_mics.run_one(nodes, gpus, rate, accum, params, args)
+    except cluster.ClusterError as e:
+      print(f"bench_planner: {what}: attempt {attempt} failed: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+      FAILED.append({"run": what, "attempt": attempt, "error": str(e)[-2000:]})
+  return None
+
+
+FAILED: list[dict] = []
+
+
 def cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> dict:
   pred = predict(prof_path, nodes, gpus, accum, args.lossy, args.compute, args.gin_param)
   chosen = pred["chosen"]
@@ -122,7 +137,9 @@ def cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> 
   measured, walls, auto_plans = {}, {}, []
   for rep in range(args.reps):
     for name, params in runs.items():
-      r = bench_mics.run_one(nodes, gpus, rate, accum, params, args)
+      r = run(nodes, gpus, rate, accum, params, args, f"{nodes}x{gpus} {rate} accum {accum} rep {rep} {name}")
+      if r is None:
+        continue
       measured.setdefault(name, []).append(r["median_step_time_s"])
       walls.setdefault(name, []).append(r["wall_s"])
       if name == "auto":
@@ -130,6 +147,8 @@ def cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> 
       print(f"bench_planner: {nodes}x{gpus} {rate} accum {accum} rep {rep} {name}: {r['median_step_time_s']:.3f} s/step",
             file=sys.stderr, flush=True)
   t = {k: statistics.median(v) for k, v in measured.items()}
+  for k in [k for k in runs if k not in t]:  # failed in every round: no time
+    t[k] = float("inf")
   named_pt = {k: v.format(gpus=gpus) for k, v in NAMED_POINT.items()}
   predicted = {k: pred["every"][k]["T_step"] for k in points}
   predicted.update({k: pred["every"][named_pt[k]]["T_step"] for k in NAMED})
@@ -162,6 +181,7 @@ def main(argv=None) -> int:
   ap.add_argument("--compute", default="uniform", choices=("uniform", "anchors", "measured"),
                   help="auto's compute model (`zerojax.planner.compute`; default uniform, auto's default)")
   ap.add_argument("--gin_param", action="append", default=[])
+  ap.add_argument("--run_timeout", type=float, default=600, help="seconds before a hung run is stopped and retried")
   ap.add_argument("--json", default=os.path.join(HERE, "planner.json"))
   ap.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
   args = ap.parse_args(argv)
@@ -186,6 +206,7 @@ def main(argv=None) -> int:
           [f"--profile={prof_path}", f"--nodes={nodes}", f"--devices={gpus}", f"--rate={rate}"]))
       for accum in accums:
         report["cells"].append(cell(nodes, gpus, rate, accum, prof_path, args))
+        report["failed"] = FAILED
         with open(args.json, "w") as f:  # after every cell: a long grid keeps what it measured
           json.dump(report, f, indent=2)
   bench_mics.write_section(args.results, markdown(report), "## AMSP planner on the emulated cluster")

@@ -20,8 +20,9 @@ in a compute measured on this process's devices.
 The techniques of a point (`space.Point`) change these terms as the executor runs them (`comm_time`):
 qwZ's gathers move b/8 + 4/256 bytes per parameter, hpZ's backward gathers inside the node, a
 hierarchical gather is one across nodes (stride G) and one inside, qgZ and the 16-bit reduction are a
-two-hop all-to-all, r = 2 with the 16-bit reduction, and Radius sends a fraction of the replica
-all-reduce. What they add to compute, qwZ's and qgZ's quantize/dequantize kernels, is `quant_time`: the
+two-hop all-to-all, r = 2 with the 16-bit reduction (4 on the wire of a psum where the backend widens
+16-bit reductions, as XLA:CPU does; the all-to-all hops move raw words and stay 16-bit), and Radius
+sends a fraction of the replica all-reduce. What they add to compute, qwZ's and qgZ's quantize/dequantize kernels, is `quant_time`: the
 elements they touch per step times the seconds per element measured in this process
 (`Workload.quant_s_per_element`, `planner.compute.quant_rate`).
 
@@ -104,6 +105,12 @@ def groups_needed(point: Point, world: int, gpus: int | None = None) -> list[tup
   return [(op, k, s) for op, k, s in out if k > 1]
 
 
+def widens_16bit(profile: dict) -> bool:
+  """Whether the profiled backend moves 16-bit psum / psum_scatter as fp32 words (`profile.py` reads it
+  from a compiled program; a profile without the field: true on CPU, where XLA widens them)."""
+  return bool(profile.get("widens_16bit_reductions", profile.get("backend") == "cpu"))
+
+
 def quantized_bytes(bits: int) -> float:
   """Wire bytes per element of a block-quantized buffer: the codes and one fp32 scale per block."""
   return bits / 8 + 4 / BLOCK
@@ -117,7 +124,8 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
   parameter (again in backward unless hpZ); hpZ's backward gathers the parameter dtype inside the node; a
   hierarchical gather is a gather of v/G across nodes (stride G) and one of v inside the node (MiCS
   §3.3); qgZ and the 16-bit reduction are the two-hop all-to-all (inside the node, then v/G across
-  nodes; ZeRO++ §3.3) of quantized or 16-bit words; the 16-bit reduction also halves T_os^0; Radius
+  nodes; ZeRO++ §3.3) of quantized or 16-bit words; the 16-bit reduction also halves T_os^0 (where the
+  backend reduces 16-bit words: XLA:CPU widens a 16-bit psum to fp32, `widens_16bit`); Radius
   sends a `density` fraction of the replica all-reduce on all but one step in `period` (Radius §4.1)."""
   world = profile["mesh"]["nodes"] * profile["mesh"]["gpus"]
   p, g, os_ = point.s_p, point.s_g, point.s_os
@@ -143,6 +151,7 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
     return t("all_to_all", b0 * n, g, 1)
 
   r = 2 if point.reduce16 else work.grad_bytes
+  r_psum = 4 if r == 2 and widens_16bit(profile) else r  # psum / psum_scatter words on the wire
   wire = quantized_bytes(point.weight_bits) if point.weight_bits else work.param_bytes
   t_p = t_g = 0.0
   for n, calls in work.units:
@@ -155,12 +164,12 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
     elif point.reduce16:
       t_g += work.accum * calls * two_hop(n, 2, 2)
     else:
-      t_g += work.accum * calls * t("reduce_scatter", r * n, g, 1)  # one collective over s_g
+      t_g += work.accum * calls * t("reduce_scatter", r_psum * n, g, 1)  # one collective over s_g
   phi = work.numel
-  sync = t("all_reduce", r * phi / os_, world // os_, os_)
+  sync = t("all_reduce", r_psum * phi / os_, world // os_, os_)
   if point.radius:
     sync *= RADIUS_PERIOD_FRACTION
-  t_os0 = t("reduce_scatter", r * phi / g, os_ // g, g) + sync
+  t_os0 = t("reduce_scatter", r_psum * phi / g, os_ // g, g) + sync
   t_os1 = t("all_gather", work.param_bytes * phi / p, os_ // p, p)
   total = t_p + t_g + t_os0 + t_os1
   return {"T_p": t_p, "T_g": t_g, "T_os0": t_os0, "T_os1": t_os1, "T_comm": total}

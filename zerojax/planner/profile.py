@@ -9,7 +9,8 @@ devices, stride s: a partition group has stride 1, the replicas of a degree-d sh
 op (all-gather, reduce-scatter, all-reduce, all-to-all) it times messages of `--sizes` bytes (the full
 buffer: the gathered result, the reduce-scatter input, the all-reduce buffer), median of `--reps` runs
 after a warm-up, and fits t = α + β v by least squares. Process 0 writes the JSON profile: the mesh
-shape, one fit (and its points) per group and op, and the date.
+shape, one fit (and its points) per group and op, the date, and whether the backend widens 16-bit
+reductions to fp32 on the wire (read from a compiled bf16 all-reduce).
 
 References:
   AMSP: Chen et al. 2023, §IV-C (profiling-based communication model), Fig. 3.
@@ -71,6 +72,19 @@ def time_collective(mesh, axes, op: str, nbytes: int, reps: int) -> float:
   return statistics.median(times)
 
 
+def widens_16bit_reductions(mesh) -> bool:
+  """Whether this backend moves a bfloat16 all-reduce as fp32 words: compiles one over the mesh and reads
+  the compiled program's all-reduce type (XLA:CPU widens 16-bit reductions; GPUs reduce bf16 natively).
+  The cost model then charges a 16-bit psum / psum_scatter 4 bytes per element here."""
+  axes = tuple(mesh.axis_names)
+  spec = P(axes)
+  fn = jax.jit(jax.shard_map(lambda x: lax.psum(x, axes), mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+  text = fn.lower(jax.ShapeDtypeStruct((8 * mesh.size,), jnp.bfloat16,
+                                       sharding=NamedSharding(mesh, spec))).compile().as_text()
+  ops = [line for line in text.splitlines() if " all-reduce(" in line or " all-reduce-start(" in line]
+  return bool(ops) and not any("bf16[" in line.split("=")[1].split("all-reduce")[0] for line in ops)
+
+
 def fit(points: list[tuple[float, float]]) -> dict:
   """Least-squares α + β v with α, β ≥ 0."""
   v = np.array([p[0] for p in points], float)
@@ -90,7 +104,8 @@ def profile(mesh, sizes: list[int], reps: int = 3, log=None) -> dict:
   needed = sorted({(k, s) for pt in plan_space(nodes, gpus, techniques=True, lossy=True)
                    for _, k, s in groups_needed(pt, world, gpus)})
   out = {"mesh": {"nodes": nodes, "gpus": gpus}, "sizes": sizes, "reps": reps,
-         "date": datetime.date.today().isoformat(), "backend": jax.default_backend(), "groups": {}}
+         "date": datetime.date.today().isoformat(), "backend": jax.default_backend(),
+         "widens_16bit_reductions": widens_16bit_reductions(mesh), "groups": {}}
   for i, (k, stride) in enumerate(needed):
     gmesh, axes = group_mesh(mesh, k, stride)
     entry = {"axes": list(axes)}
