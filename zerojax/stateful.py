@@ -2,8 +2,7 @@
 
 docs/DESIGN.md, "State across steps". optax makes each feature a `GradientTransformation(init, update)`
 that owns its state; here a component of a plan that must remember something from one step to the next
-(qgZ's error feedback: what the quantizations dropped; Radius: each replica's unsent gradient and the
-window's selection) is a `Stateful`: it says how its state is created (`init`), sharded (`specs`),
+(what a quantization dropped; a replica's unsent gradient and its selection) is a `Stateful`: it says how its state is created (`init`), sharded (`specs`),
 used and updated by the step (`body_in`, `sync`, `update`), checkpointed (`stored`) and counted
 (`memory_bytes`). The executor, the checkpoint spec (`zerojax.train.state_spec`) and the memory report
 (`zerojax.memory`) iterate over the plan's components (`zerojax.train_state.components`) and never name
@@ -12,7 +11,7 @@ one. Its state lives in the `TrainState` field of the component's `name`.
 A step runs one compiled program per *phase*: "dense" (no component changes the replica sync) or one a
 component picks on the host (`phase`, from the step and its state). Inside the step's `shard_map` a
 component's local state reaches either the units' backward (`in_backward`: every micro-step, the new
-state is the cotangent of the old, as error feedback does) or the replica sync (`sync` replaces the
+state is the cotangent of the old) or the replica sync (`sync` replaces the
 dense all-reduce over the replica axes in the phases it names); after the optimizer's update
 (`update`) it becomes the next state, or stays the old one where the step is skipped (`keep`).
 
@@ -81,7 +80,7 @@ class Stateful:
     setting: the plan setting that turns the component on, for error messages.
     phases: the programs besides "dense" that `phase` picks; the last one is a run's steady state (the
       program `step.lower` lowers by default).
-    in_backward: the units' backward updates the state every micro-step (error feedback).
+    in_backward: the units' backward updates the state every micro-step, as the cotangent of the old.
   """
   name: ClassVar[str]
   setting: ClassVar[str]
