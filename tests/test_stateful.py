@@ -57,6 +57,7 @@ def test_a_plan_without_state_has_no_component():
   assert all(memory_report(ex)["expected"][kind.name] == 0 for kind in STATEFUL)
 
 
+@pytest.mark.slow  # each component alone in the fast suite: test_radius.py, test_fidelity.py
 def test_components_declare_their_state_consistently(both):
   """Per component: the state's leaves, PartitionSpecs and checkpoint leaves agree; the live shards on a
   device are the bytes it counts; the stored layout round-trips bitwise."""
