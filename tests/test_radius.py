@@ -131,11 +131,11 @@ def test_matches_the_reference_algorithm(against_reference):
     for r, rr in zip(residual, ref_residual):
       np.testing.assert_allclose(r, rr, rtol=0, atol=1e-6 * max(1.0, float(np.abs(rr).max())), err_msg=f"{name} {t}")
     if ref_masks is not None:
-      for m, rm, lay, k in zip(masks, ref_masks, ex.layout.leaves, ex.radius_k):
+      for m, rm, lay, k in zip(masks, ref_masks, ex.layout.leaves, ex.stateful["radius"].k):
         np.testing.assert_array_equal(m, rm, err_msg=f"{name} step {t}")
   # k = ⌈d·c⌉ per shard of c elements, per layer: the selection holds exactly that many
   shards = math.prod(ex.mesh.shape[a] for a in ex.plan.opt_order)
-  for m, lay, k in zip(got[-1][3], ex.layout.leaves, ex.radius_k):
+  for m, lay, k in zip(got[-1][3], ex.layout.leaves, ex.stateful["radius"].k):
     assert k == math.ceil(RADIUS.density * lay.padded // shards - 1e-9) or k == math.ceil(RADIUS.density * lay.padded / shards)
     assert (m.reshape(*m.shape[:-1], shards, -1).sum(-1) == k).all()
   # the residual is per replica, zero where selected, and moved: the sparse steps sent less than all
@@ -207,7 +207,7 @@ def test_selection_ranks_the_adamw_corrected_update():
   grad = jax.tree.map(lambda m1, m0: (m1 - b1 * m0) / (1 - b1), mu, mu_prev)
   agree = {"corrected": 0, "gradient": 0}
   total = 0
-  for m, lay, k, c, g in zip(executor_masks(ex, state), ex.layout.leaves, ex.radius_k, jax.tree.leaves(corrected),
+  for m, lay, k, c, g in zip(executor_masks(ex, state), ex.layout.leaves, ex.stateful["radius"].k, jax.tree.leaves(corrected),
                              jax.tree.leaves(grad)):
     for name, score in (("corrected", c), ("gradient", g)):
       agree[name] += int((m & top_k_mask(np.asarray(layout_lib.flatten_leaf(jnp.asarray(score), lay)), k, 4,
@@ -232,7 +232,7 @@ def test_sparse_step_moves_k_elements_on_the_replica_all_reduce():
            for p in ("dense", "select", "sparse")}
   sync = {p: [c for c in f if c.role == "replica sync"] for p, f in found.items()}
   elements = {p: sum(c.count * sum(math.prod(s) for s in c.operand_shapes) for c in cs) for p, cs in sync.items()}
-  k = sum(k * (lay.layers or 1) for k, lay in zip(ex.radius_k, ex.layout.leaves))
+  k = sum(k * (lay.layers or 1) for k, lay in zip(ex.stateful["radius"].k, ex.layout.leaves))
   shard = sum(lay.padded // 4 * (lay.layers or 1) for lay in ex.layout.leaves)
   assert elements == {"dense": shard, "select": shard, "sparse": k}
   assert k == pytest.approx(RADIUS.density * shard, rel=0.02)

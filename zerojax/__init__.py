@@ -1,11 +1,13 @@
 """zerojax: ZeRO-3, ZeRO++, MiCS, AMSP and Radius as plans of one sharded data-parallel executor."""
-from zerojax.executor import Executor, Model, RadiusState, StepMetrics, TrainState, check_elementwise
+from zerojax.executor import Executor, Model, StepMetrics, check_elementwise
 from zerojax.layout import Layout, LeafLayout
 from zerojax.mesh import initialize_distributed, make_mesh
 from zerojax.models.linen import from_linen, linen_rngs
 from zerojax.models.nnx import from_nnx
 from zerojax.plan import PLANS, Plan, Radius, amsp, dp, mics, radius, zero1, zero2, zero3, zeropp
 from zerojax.prefetch import scan_layers
+from zerojax.radius_sync import RadiusState
+from zerojax.train_state import TrainState
 from zerojax.unit import ShardedUnit, unit
 
 __all__ = [

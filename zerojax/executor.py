@@ -6,7 +6,7 @@ Per step, inside one `jax.shard_map` over the ("node", "gpu") mesh:
 1. every micro-batch: forward and backward through the model's ZeRO units, each reducing its layer's
    gradient over A_g inside the backward pass; accumulate the G shard;
 2. at the accumulation boundary: reduce-scatter over A_os \\ A_g, then all-reduce over the replica axes
-   D \\ A_os (MiCS's 2-hop synchronisation, AMSP's T_os);
+   D \\ A_os (MiCS's 2-hop synchronisation, AMSP's T_os), or a stateful component's sync;
 3. outside the shard_map, on sharded global arrays under `jit`: any elementwise optax transformation
    updates the master weights and optimizer states, so global reductions such as
    `clip_by_global_norm` are correct without hand-written collectives. It sees the user's tree, each leaf
@@ -18,14 +18,13 @@ Each micro-batch gets an rng folded by step, micro-step and data-parallel rank; 
 collections (BatchNorm statistics) are carried through the micro-batches on each device and averaged
 over the devices at the end of the step, as data-parallel training with per-device statistics does.
 
-With `plan.replica_sync = radius(...)` step 2's all-reduce is Radius's (Algorithm 1): each step runs one
-of three compiled programs, picked on the host from the step and the last selection (`phase`):
-"dense" (the warm-up, the plan's own step), "select" (dense all-reduce of gradient + residual, then
-top-k of the optimizer's update per shard) or "sparse" (all-reduce of the k selected values only).
+State across steps belongs to the plan's stateful components (`zerojax.stateful`, listed in
+`zerojax.train_state`), each in its own field of the train state: the executor creates, shards, passes
+and updates it through their `init`, `specs`, `body_in`, `sync` and `update`. A component may pick the
+step's program on the host (`phase`): each step runs the program of its phase, compiled on first use.
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5. MiCS: Zhang et al. 2022, §3.3. AMSP: Chen et al. 2023, §3.
-  Radius: Zheng & Zhang, Algorithms 1–2.
 """
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ import functools
 import math
 from typing import Any, NamedTuple
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,29 +45,9 @@ from zerojax import mesh as mesh_lib
 from zerojax.mesh import axis_sizes, group_size
 from zerojax.model import Model, identity, call_loss  # noqa: F401  (re-exported)
 from zerojax.plan import Plan
+from zerojax.stateful import keep
+from zerojax.train_state import TrainState, components
 from zerojax.unit import ShardedUnit, UnitMeta
-
-
-
-@flax.struct.dataclass
-class RadiusState:
-  """Radius's state (Algorithm 1): what a replica has not sent, and the window's selection."""
-  residual: Any          # per leaf [replicas, (layers,) padded]: each replica's unsent gradient (mean units),
-                         # sharded over the replica axes and, like the master weights, over A_os
-  indices: Any           # per leaf [(layers,) shards * k] int32: each A_os shard's k positions, ascending
-  selected_at: jax.Array  # step of the last selection; -1 before the first
-
-
-@flax.struct.dataclass
-class TrainState:
-  step: jax.Array
-  params: Any            # fp32 master weights: flat padded leaves sharded over A_os
-  opt_state: Any         # optimizer states, sharded like the master weights
-  skipped: jax.Array     # steps skipped for non-finite loss or gradients (total)
-  rng: Any = None        # uint32 key data of the run's rng (models with `Model.rng`), replicated
-  mutable: Any = None    # the model's mutable collections (`Model.init_state`), replicated
-  radius: RadiusState | None = None  # with plan.replica_sync = radius(...)
-  grad_error: Any = None  # with plan.grad_error_feedback: {unit: (e_send, e_node)} (`zerojax.fidelity`)
 
 
 class StepMetrics(NamedTuple):
@@ -119,14 +97,10 @@ class Executor:
     for u in tree:
       leaves, treedef = jax.tree.flatten(tree[u], is_leaf=layout_lib.is_layout)
       self._metas[u] = UnitMeta(plan, sizes, treedef, tuple(leaves), scanned=u in model.scanned)
-    self.error_shapes = fidelity.error_shapes(plan, mesh, self._metas)
+    self.stateful = components(plan, mesh, self.layout, self._metas)  # {TrainState field: component}
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
     self._checked = False
-    self.replicas = plan.replica_axes(mesh)
-    if plan.replica_sync is not None:  # Radius: k per A_os shard of every leaf (per layer)
-      shards = group_size(mesh, plan.opt_order)
-      self.radius_k = tuple(plan.replica_sync.shard_k(l.padded // shards) for l in self.layout.leaves)
 
   # -- state -----------------------------------------------------------------------------------------
   def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
@@ -137,18 +111,11 @@ class Executor:
     by_ndim = {1: NamedSharding(self.mesh, P(self.plan.opt_order or None)),
                2: NamedSharding(self.mesh, P(None, self.plan.opt_order or None))}
     opt = jax.tree.map(lambda x: rep if x.ndim == 0 else by_ndim[x.ndim], state_shapes.opt_state)
-    radius = None
-    if self.plan.replica_sync is not None:
-      radius = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._radius_specs())
-    errors = jax.tree.map(lambda s: NamedSharding(self.mesh, s), fidelity.error_specs(self.error_shapes, self.mesh))
     return TrainState(step=rep, params=params, opt_state=opt, skipped=rep,
                       rng=jax.tree.map(lambda _: rep, state_shapes.rng),
-                      mutable=jax.tree.map(lambda _: rep, state_shapes.mutable), radius=radius, grad_error=errors)
-
-  def _radius_specs(self) -> RadiusState:
-    """PartitionSpecs of the Radius state: the residual has a leading replica axis."""
-    res = jax.tree.map(lambda s: P(self.replicas, *s), self.param_specs, is_leaf=lambda s: isinstance(s, P))
-    return RadiusState(residual=res, indices=self.param_specs, selected_at=P())
+                      mutable=jax.tree.map(lambda _: rep, state_shapes.mutable),
+                      **{n: jax.tree.map(lambda s: NamedSharding(self.mesh, s), c.specs())
+                         for n, c in self.stateful.items()})
 
   def flat_shapes(self):
     return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), self.layout.tree(),
@@ -161,19 +128,10 @@ class Executor:
       rng = jax.random.key_data(jax.random.fold_in(key if rng is None else rng, 1))
     if model.init_state is not None and mutable is None:
       mutable = model.init_state(key)
-    radius = None
-    if self.plan.replica_sync is not None:
-      reps, shards = group_size(self.mesh, self.replicas), group_size(self.mesh, self.plan.opt_order)
-      leaves, treedef = jax.tree.flatten(flat)
-      radius = RadiusState(
-          residual=jax.tree.map(lambda x: jnp.zeros((reps,) + x.shape, jnp.float32), flat),
-          indices=treedef.unflatten([jnp.tile(jnp.arange(k, dtype=jnp.int32), x.shape[:-1] + (shards,))
-                                     for x, k in zip(leaves, self.radius_k)]),
-          selected_at=jnp.full((), -1, jnp.int32))
     return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=self.optimizer.init(flat),
                       skipped=jnp.zeros((), jnp.int32), rng=rng if model.rng else None,
-                      mutable=mutable if model.init_state is not None else None, radius=radius,
-                      grad_error=fidelity.init_errors(self.error_shapes))
+                      mutable=mutable if model.init_state is not None else None,
+                      **{n: c.init(flat) for n, c in self.stateful.items()})
 
   def init(self, rng: jax.Array) -> TrainState:
     """Initialises the model and optimizer directly into the plan's sharded layout.
@@ -244,13 +202,13 @@ class Executor:
     return jax.tree.map(lambda m: comm.all_gather_raw(cast(m), to_p, axis=m.ndim - 1, tiled=True),
                         master)
 
-  def _local_grads(self, master, batch, step=None, rng=None, mutable=None, errors=None, residual=None,
-                   indices=None, phase="dense"):
+  def _local_grads(self, master, batch, step=None, rng=None, mutable=None, local=None, phase="dense"):
     """shard_map body: master shard (over A_os), local batch, the step, the run's rng, the mutable
-    collections and qgZ's error feedback rows -> reduced gradient shard, mean loss, mean aux,
-    device-averaged mutable collections, new error rows; Radius's phases also take and return the
-    residual (and the sparse one the window's indices)."""
-    plan, model = self.plan, self.model
+    collections and `{name: what each stateful component's body_in passes}` -> reduced gradient shard,
+    mean loss, mean aux, device-averaged mutable collections, `{name: the component's output}`."""
+    plan, model, local = self.plan, self.model, local or {}
+    carried = {n: local[n] for n, c in self.stateful.items() if c.in_backward}  # through the backward
+    syncer = next((c for c in self.stateful.values() if phase in c.phases), None)  # replaces the all-reduce
     p_shards, k_g = self._param_shards(master), group_size(self.mesh, plan.grad_axes)
     zeros_g = jax.tree.map(lambda l: jnp.zeros(l.flat_shape(k_g), plan.reduce_dtype), self.layout.tree(),
                            is_leaf=layout_lib.is_layout)
@@ -275,66 +233,55 @@ class Executor:
         loss, aux, new = call_loss(model, u, mb, key(i), mut)
         return loss, (aux, new)
       (loss, (aux, mut)), (g, err) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(zeros_g, err)
-      if plan.grad_error_feedback:  # each unit's errors are its one backward's cotangent
-        self._check_single_calls(units["u"], "grad_error_feedback=True")
+      for c in self.stateful.values():  # the state is each unit's one backward's cotangent
+        if c.in_backward:
+          self._check_single_calls(units["u"], c.setting)
       return (jax.tree.map(jnp.add, acc, g), mut, err), (loss, aux)
 
     to_os = plan.opt_order[len(plan.grad_order):]
     replicas = plan.replica_axes(self.mesh)
     index = jnp.arange(self.accum_steps)
-    if plan.sync_in_backward and replicas and not to_os and phase == "dense":
+    if plan.sync_in_backward and replicas and not to_os and syncer is None:
       # MiCS §3.4 with the boundary all-reduce overlapped: the window's last micro-step all-reduces each
       # unit's gradient (plus what the window accumulated) inside its backward, so layer i's all-reduce
       # runs while layer i-1's backward computes. The sums are the same as after the window.
       head = jax.tree.map(lambda x: x[:-1], batch)
-      (acc, mutable, errors), (losses, aux) = lax.scan(micro, (zeros_g, mutable, errors), (head, index[:-1]))
+      (acc, mutable, carried), (losses, aux) = lax.scan(micro, (zeros_g, mutable, carried), (head, index[:-1]))
       last_mb, units = jax.tree.map(lambda x: x[-1], batch), {}
 
       def last(s, e):
         u = units.setdefault("u", self._units(p_shards, s, replicas, qgz(e, self.accum_steps - 1)))
         loss, aux_l, new = call_loss(model, u, last_mb, key(self.accum_steps - 1), mutable)
         return loss, (aux_l, new)
-      (loss_l, (aux_l, mutable)), (acc, errors) = jax.value_and_grad(last, (0, 1), has_aux=True)(acc, errors)
+      (loss_l, (aux_l, mutable)), (acc, carried) = jax.value_and_grad(last, (0, 1), has_aux=True)(acc, carried)
       self._check_single_calls(units["u"])
       losses = jnp.concatenate([losses, loss_l[None]])
       aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux, aux_l)
     else:
-      (acc, mutable, errors), (losses, aux) = lax.scan(micro, (zeros_g, mutable, errors), (batch, index))
+      (acc, mutable, carried), (losses, aux) = lax.scan(micro, (zeros_g, mutable, carried), (batch, index))
       if to_os:
         acc = jax.tree.map(lambda g: lax.psum_scatter(g, to_os, scatter_dimension=g.ndim - 1, tiled=True), acc)
-      if replicas and phase == "dense":
+      if replicas and syncer is None:
         acc = jax.tree.map(lambda g: lax.psum(g, replicas), acc)
     loss = lax.pmean(jnp.mean(losses), self.data_axes)
     aux = jax.tree.map(lambda a: lax.pmean(jnp.mean(_inexact(a), axis=0), self.data_axes), aux)
     mutable = jax.tree.map(lambda m: lax.pmean(m, self.data_axes) if _is_inexact(m) else m, mutable)
     # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
     denom = self.world * self.accum_steps
-    if phase == "dense":
-      return jax.tree.map(lambda g: g / denom, acc), loss, aux, mutable, errors
-    grads, treedef = jax.tree.flatten(acc)
-    res = [r[0] for r in jax.tree.leaves(residual)]  # this replica's row
-    if phase == "select":  # Radius Algorithm 1 lines 8–11
-      grads, res = comm.radius.dense_all_reduce(grads, res, replicas, denom)
-    else:                  # lines 13–17
-      grads, res = comm.radius.sparse_all_reduce(grads, res, jax.tree.leaves(indices), replicas, denom)
-    return treedef.unflatten(grads), loss, aux, mutable, errors, treedef.unflatten([r[None] for r in res])
-
-  def _select(self, updates):
-    """shard_map body, Radius Algorithm 1 line 23: each shard's top-k positions of |update|."""
-    leaves, treedef = jax.tree.flatten(updates)
-    owner = mesh_lib.owner_index(self.plan.opt_order) if self.plan.opt_order else 0
-    return treedef.unflatten([comm.radius.select(u, k, owner * u.shape[-1], lay.size)
-                              for u, k, lay in zip(leaves, self.radius_k, self.layout.leaves)])
+    out = {n: carried.get(n) for n in self.stateful}
+    if syncer is None:
+      return jax.tree.map(lambda g: g / denom, acc), loss, aux, mutable, out
+    grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], replicas, denom, phase)
+    return grads, loss, aux, mutable, out
 
   def phase(self, state: TrainState) -> str:
-    """The program a step of `state` runs: "dense", or with Radius "select" / "sparse" (Algorithm 1:
-    dense before `dense_steps`, then a select step when `period` steps have passed since the last one
-    (or none was made, e.g. after restoring a dense checkpoint), else sparse). Reads two scalars."""
-    r = self.plan.replica_sync
-    if r is None or int(state.step) < r.dense_steps:
-      return "dense"
-    at = int(state.radius.selected_at)
-    return "select" if at < 0 or int(state.step) - at >= r.period else "sparse"
+    """The program a step of `state` runs: the one a stateful component picks (`Stateful.phase`), else
+    "dense". Reads scalars of the state on the host."""
+    for c in self.stateful.values():
+      picked = c.phase(state)
+      if picked is not None:
+        return picked
+    return "dense"
 
   @staticmethod
   def _check_single_calls(units: dict, field: str = "sync_in_backward=True") -> None:
@@ -346,47 +293,33 @@ class Executor:
 
   def _train_step(self, state: TrainState, batch, phase: str = "dense"):
     data = P(None, self.data_axes)
-    radius = state.radius
-    args = (state.params, batch, state.step, state.rng, state.mutable, state.grad_error)
-    err_specs = fidelity.error_specs(self.error_shapes, self.mesh)
-    specs_in = (self.param_specs, data, P(), P(), P(), err_specs)
-    if phase == "dense":
-      grads, loss, aux, mutable, errors = jax.shard_map(
-          self._local_grads, mesh=self.mesh, in_specs=specs_in,
-          out_specs=(self.param_specs, P(), P(), P(), err_specs), check_vma=False)(*args)
-    else:
-      specs = self._radius_specs()
-      grads, loss, aux, mutable, errors, residual = jax.shard_map(
-          functools.partial(self._local_grads, phase=phase), mesh=self.mesh,
-          in_specs=specs_in + (specs.residual, specs.indices),
-          out_specs=(self.param_specs, P(), P(), P(), err_specs, specs.residual), check_vma=False)(
-              *args, radius.residual, radius.indices)
+    body_in = {n: c.body_in(getattr(state, n), phase) for n, c in self.stateful.items()}
+    out_specs = {n: c.body_out_specs(phase) for n, c in self.stateful.items()}
+    grads, loss, aux, mutable, out = jax.shard_map(
+        functools.partial(self._local_grads, phase=phase), mesh=self.mesh,
+        in_specs=(self.param_specs, data, P(), P(), P(), {n: s for n, (_, s) in body_in.items()}),
+        out_specs=(self.param_specs, P(), P(), P(), out_specs), check_vma=False)(
+            state.params, batch, state.step, state.rng, state.mutable, {n: v for n, (v, _) in body_in.items()})
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    if phase == "select":  # the update is -lr x Algorithm 2's corrected gradient: rank its magnitude
-      indices = jax.shard_map(self._select, mesh=self.mesh, in_specs=(self.param_specs,),
-                              out_specs=self.param_specs, check_vma=False)(updates)
-      radius = keep(RadiusState(residual, indices, state.step), radius)
-    elif phase == "sparse":
-      radius = radius.replace(residual=keep(residual, radius.residual))
-    new = TrainState(step=state.step + 1, params=keep(params, state.params),
-                     opt_state=keep(opt_state, state.opt_state),
-                     skipped=state.skipped + (~finite).astype(jnp.int32), rng=state.rng,
-                     mutable=keep(mutable, state.mutable), radius=radius,
-                     grad_error=keep(errors, state.grad_error))
+    new = state.replace(step=state.step + 1, params=keep(finite, params, state.params),
+                        opt_state=keep(finite, opt_state, state.opt_state),
+                        skipped=state.skipped + (~finite).astype(jnp.int32),
+                        mutable=keep(finite, mutable, state.mutable),
+                        **{n: c.update(getattr(state, n), out[n], updates, state.step, finite, phase)
+                           for n, c in self.stateful.items()})
     return new, StepMetrics(loss, grad_norm, finite, aux)
 
   def step_fn(self, state_shardings: TrainState | None = None):
     """The jitted `(state, batch) -> (state, StepMetrics)`; donates state.
 
     `batch` is a pytree (numpy or jax arrays) whose leaves lead with `[accum, global_batch, ...]`, or
-    with `[global_batch, ...]` when `accum_steps == 1`; see `shard_batch`. With Radius the step runs the
-    program of `phase(state)`, each compiled on first use; `step.lower(state, batch, phase=None)` lowers
-    one (default: "sparse" with Radius, else "dense"). On GPUs it compiles with
-    `zerojax.gpu_aot.GPU_COMPILER_OPTIONS`.
+    with `[global_batch, ...]` when `accum_steps == 1`; see `shard_batch`. The step runs the program of
+    `phase(state)`, each compiled on first use; `step.lower(state, batch, phase=None)` lowers one
+    (default: a stateful component's steady state, `Stateful.phases[-1]`, else "dense"). On GPUs it
+    compiles with `zerojax.gpu_aot.GPU_COMPILER_OPTIONS`.
     """
     if self._step is None:
       sh = state_shardings or self.shardings()
@@ -402,7 +335,7 @@ class Executor:
 
       def step(state, batch):
         return program(self.phase(state))(state, self.shard_batch(batch))
-      default = "dense" if self.plan.replica_sync is None else "sparse"
+      default = next((c.phases[-1] for c in self.stateful.values() if c.phases), "dense")
       step.lower = lambda state, batch, phase=None: program(phase or default).lower(state, batch)
       self._step = step
     return self._step

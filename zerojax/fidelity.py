@@ -4,8 +4,8 @@
 micro-step (LoCo §3): `e_send`, one fp32 copy of the unit's local gradient buffer (all its leaves packed,
 in qgZ's node-major order), and `e_node`, 1/G of it (the node-local sums this device requantizes for
 the inter-node hop). In the train state each is a global array `[devices, (layers,) n]`, one row per
-device, sharded over all mesh axes; it is checkpointed as stored (the same mesh and plan resume bitwise,
-any other starts the errors from zero).
+device, sharded over all mesh axes (`ErrorFeedback`, a `zerojax.stateful` component); it is checkpointed
+as held (the same mesh and plan resume bitwise, any other starts the errors from zero).
 
 `Plan.stochastic_rounding` draws its noise from a key folded from the step, the micro-step, the
 device's rank, the unit and (for scanned units) the layer: runs are reproducible and no two devices,
@@ -17,44 +17,89 @@ References:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax import mesh as mesh_lib
 from zerojax.plan import Plan
+from zerojax.stateful import Stateful, Stored, keep
 
 SEED = 0x5D4B  # the base key of stochastic rounding (the same in every run: the step makes it vary)
 
 
-def error_shapes(plan: Plan, mesh: Mesh, metas: dict) -> dict | None:
-  """`{unit: (e_send, e_node)}` global shapes `[devices, (layers,) n]`, or None without error feedback."""
-  if not plan.grad_error_feedback:
-    return None
-  gpus = math.prod(mesh.shape[a] for a in plan.grad_order if not mesh_lib.is_node_axis(a))
-  out = {}
-  for u, meta in metas.items():
-    n = sum(l.padded for l in meta.leaves)
-    layers = meta.leaves[0].flat_shape()[:-1]
-    out[u] = tuple(jax.ShapeDtypeStruct((mesh.size, *layers, m), jnp.float32) for m in (n, n // gpus))
-  return out
+@dataclasses.dataclass(frozen=True, eq=False)
+class ErrorFeedback(Stateful):
+  """qgZ's error feedback as a stateful component (`zerojax.stateful`): `{unit: (e_send, e_node)}`,
+  each a global array `[devices, (layers,) n]` sharded over all mesh axes, carried through the units'
+  backward every micro-step (`in_backward`; the new errors are the cotangent of the old ones).
+
+  Attributes:
+    mesh: the executor's mesh.
+    shapes: `{unit: (e_send, e_node)}` global `ShapeDtypeStruct`s.
+  """
+  name = "grad_error"
+  setting = "grad_error_feedback=True"
+  in_backward = True
+
+  mesh: Mesh
+  shapes: dict
+
+  @classmethod
+  def of(cls, plan, mesh, layout, metas):
+    if not plan.grad_error_feedback:
+      return None
+    gpus = math.prod(mesh.shape[a] for a in plan.grad_order if not mesh_lib.is_node_axis(a))
+    shapes = {}
+    for u, meta in metas.items():
+      n = sum(l.padded for l in meta.leaves)
+      layers = meta.leaves[0].flat_shape()[:-1]
+      shapes[u] = tuple(jax.ShapeDtypeStruct((mesh.size, *layers, m), jnp.float32) for m in (n, n // gpus))
+    return cls(mesh, shapes)
+
+  @classmethod
+  def refuse_restore(cls, where, key):
+    return (f"checkpoint {where} holds qgZ's error feedback buffers ({key}, ...), but this plan has "
+            "grad_error_feedback=False; restore with grad_error_feedback=True")
+
+  def init(self, flat):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.shapes)
+
+  def specs(self):
+    """One row per device."""
+    return jax.tree.map(lambda _: P(tuple(self.mesh.axis_names)), self.shapes)
+
+  def body_in(self, state, phase):
+    return state, self.specs()
+
+  def body_out_specs(self, phase):
+    return self.specs()
+
+  def update(self, state, out, updates, step, finite, phase):
+    return keep(finite, out, state)
+
+  def memory_bytes(self) -> int:
+    """Per device the local gradient's error and 1/G of it, fp32."""
+    return sum(math.prod(x.shape[1:]) * 4 for x in jax.tree.leaves(self.shapes))
+
+  def stored(self) -> list[Stored]:
+    """As held, one row per device: another layout of them starts from zero (one step's residue)."""
+    rows = NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))
+    return [Stored(tuple(x.shape), np.dtype(x.dtype), rows,
+                   from_logical=lambda v, x=x: v if tuple(v.shape) == tuple(x.shape) else jnp.zeros(x.shape, x.dtype),
+                   accepts=lambda saved: True, read_sharding=lambda saved: NamedSharding(self.mesh, P()))
+            for x in jax.tree.leaves(self.shapes)]
 
 
-def error_specs(shapes: dict | None, mesh: Mesh):
-  """PartitionSpecs of the error buffers: one row per device."""
-  return None if shapes is None else jax.tree.map(lambda _: P(tuple(mesh.axis_names)), shapes)
-
-
-def init_errors(shapes: dict | None):
-  return None if shapes is None else jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def unit_states(plan: Plan, metas: dict, errors: dict | None, step, micro, rank) -> dict:
-  """Inside the shard_map: `{unit: (error, seed)}` for `ShardedUnit.qgz` (the local rows of `errors`)."""
-  out = {}
+def unit_states(plan: Plan, metas: dict, carried: dict, step, micro, rank) -> dict:
+  """Inside the shard_map: `{unit: (error, seed)}` for `ShardedUnit.qgz`; the errors are the local rows
+  of `ErrorFeedback`'s state in `carried` (the state of the components updated in the backward)."""
+  errors, out = carried.get(ErrorFeedback.name), {}
   for j, (u, meta) in enumerate(sorted(metas.items())):
     seed = None
     if plan.stochastic_rounding:

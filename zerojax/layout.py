@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from zerojax.mesh import group_size
+
 
 @dataclasses.dataclass(frozen=True)
 class LeafLayout:
@@ -104,6 +106,20 @@ def spec(lay: LeafLayout, axes: tuple[str, ...]) -> P:
   """PartitionSpec of a flat leaf sharded over `axes` on its last axis."""
   last = axes if axes else None
   return P(None, last) if lay.layers is not None else P(last)
+
+
+def logical_sharding(mesh: Mesh, axes: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+  """Shards a leaf in its logical shape (as checkpoints store it) over `axes` (or one of them) on its
+  largest divisible dimension; replicated when none divides."""
+  groups = ([axes] if axes else []) + ([(a,) for a in axes] if len(axes) > 1 else [])
+  for group in groups:
+    k = group_size(mesh, group)
+    for d in sorted(range(len(shape)), key=lambda i: -shape[i]):
+      if shape[d] % k == 0:
+        spec = [None] * len(shape)
+        spec[d] = group if len(group) > 1 else group[0]
+        return NamedSharding(mesh, P(*spec))
+  return NamedSharding(mesh, P())
 
 
 def specs(layout: Layout, axes: tuple[str, ...]):

@@ -1,5 +1,5 @@
-"""Per-device bytes of model state under a plan: P/s_p + G/s_g + OS/s_os (ZeRO §5, AMSP §3.2), plus
-Radius's residual and indices (Radius §5), and qgZ's error feedback buffers (LoCo §3).
+"""Per-device bytes of model state under a plan: P/s_p + G/s_g + OS/s_os (ZeRO §5, AMSP §3.2), plus the
+state of each stateful component the plan uses, as the component counts it (`Stateful.memory_bytes`).
 
 `expected` follows from the plan and the padded layout alone; `measured` reads the shards of a live
 train state (master weights and optimizer states) on one device, so the two can be checked against
@@ -7,14 +7,13 @@ each other.
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 
 from zerojax import layout as layout_lib
-from zerojax.executor import Executor, TrainState
+from zerojax.executor import Executor
 from zerojax.mesh import group_size
+from zerojax.train_state import STATEFUL, TrainState
 
 
 def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
@@ -43,21 +42,18 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
   # hpZ (ZeRO++ §3.2) keeps every unit's secondary shard from its forward to its backward.
   expected["hpz_secondary"] = (layout_lib.bytes_of(ex.layout, plan.param_dtype) // s(plan.secondary_axes)
                                if plan.secondary_axes else 0)
-  # Radius keeps each replica's residual (fp32, sharded like the master weights) and its shard's indices.
-  expected["radius"] = 0 if plan.replica_sync is None else numel * 4 // s(plan.opt_axes) + 4 * sum(
-      k * (l.layers or 1) for k, l in zip(ex.radius_k, ex.layout.leaves))
-  # qgZ's error feedback keeps, per device, the local gradient's error and 1/G of it (`zerojax.fidelity`).
-  expected["grad_error"] = sum(math.prod(x.shape[1:]) * 4 for x in jax.tree.leaves(ex.error_shapes or {}))
-  expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer", "hpz_secondary", "radius",
-                                                "grad_error"))
+  # State across steps: each kind of stateful component under its name (0 when the plan does not use it).
+  for kind in STATEFUL:
+    c = ex.stateful.get(kind.name)
+    expected[kind.name] = 0 if c is None else c.memory_bytes()
+  expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer", "hpz_secondary",
+                                                *(kind.name for kind in STATEFUL)))
   report = {"plan": plan.name, "expected": expected}
   if state is not None:
     dev = ex.mesh.devices.flat[0]
     on_dev = lambda tree: sum(sh.data.nbytes for x in jax.tree.leaves(tree) if x.ndim
                               for sh in x.addressable_shards if sh.device == dev)
     report["measured"] = {"master": on_dev(state.params), "optimizer": on_dev(state.opt_state)}
-    if state.radius is not None:
-      report["measured"]["radius"] = on_dev(state.radius)
-    if state.grad_error is not None:
-      report["measured"]["grad_error"] = on_dev(state.grad_error)
+    for name in ex.stateful:
+      report["measured"][name] = on_dev(getattr(state, name))
   return report

@@ -10,17 +10,11 @@ any of them: orbax reads each array straight into the target's shardings (every 
 what its devices hold), then the target executor's layout flattens, pads and shards it. State that an
 executor derives from the master weights is never stored.
 
-Radius's state (`plan.replica_sync = radius(...)`) is stored the same way: the residual as
-`[replicas, *logical shape]` (one row per replica: each keeps what it has not sent), the window's
-indices as a bool mask in the leaf's logical shape, and the step of the last selection. The same
-plan on the same mesh resumes bitwise; another mesh or plan gets the residual summed onto its first
-replica when the replica counts differ (only the sum enters the next select step) and the mask re-tiled
-to its shards (`comm.radius.mask_to_indices`); a checkpoint without Radius state starts with an empty
-residual and selects on its first step.
-
-qgZ's error feedback buffers (`plan.grad_error_feedback`, `zerojax.fidelity`) are stored as the
-executor holds them, one row per device: the same mesh and plan resume bitwise; a checkpoint without
-them, or with another layout of them, starts them from zero (they hold one step's quantization residue).
+The state of a stateful component (`zerojax.stateful`) is stored under the component's name as the
+component declares it (`Stateful.stored`: each leaf's stored shape, dtype, sharding and conversions, the
+saved shapes it also restores from, its value when a checkpoint lacks it). A checkpoint without a
+component's state restores into a run that has the component (it starts fresh); one with a component's
+state does not restore into a run without it (`Stateful.refuse_restore` says why).
 
 The conversion to the logical layout is a jitted function whose outputs stay sharded over the devices
 (no gather to one host), so every process writes only its own shards. Saving is asynchronous: the
@@ -28,7 +22,7 @@ training loop is blocked only while the logical copy is made and handed to host 
 in the background and are atomic (a step folder appears only once complete). One checkpoint folder:
 
   DIR/<step>/state/   the logical arrays: {"params", "opt_state", "step", "skipped"[, "rng", "mutable",
-                      "radius"]}
+                      one entry per stateful component]}
   DIR/<step>/meta/    JSON: format, step, plan, mesh and process count at save time, seed
 
 References:
@@ -43,14 +37,16 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from zerojax import comm, layout as layout_lib
-from zerojax.mesh import group_size
+from zerojax import layout as layout_lib
+from zerojax.stateful import Stored
+from zerojax.train_state import STATEFUL
 
 FORMAT = 1
 SEP = "/"
-STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable", "radius", "grad_error")  # TrainState fields that are state
+STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable",  # TrainState fields that are state
+          *(kind.name for kind in STATEFUL))
 
 
 class CheckpointError(ValueError):
@@ -70,47 +66,14 @@ def path_names(path) -> tuple[str, ...]:
   return tuple(_name(e) for e in path)
 
 
-def _logical_sharding(mesh: Mesh, axes: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
-  """Shards a logical array over `axes` (or one of them) on its largest divisible dimension."""
-  groups = ([axes] if axes else []) + ([(a,) for a in axes] if len(axes) > 1 else [])
-  for group in groups:
-    k = group_size(mesh, group)
-    for d in sorted(range(len(shape)), key=lambda i: -shape[i]):
-      if shape[d] % k == 0:
-        spec = [None] * len(shape)
-        spec[d] = group if len(group) > 1 else group[0]
-        return NamedSharding(mesh, P(*spec))
-  return NamedSharding(mesh, P())
-
-
 class _Leaf(NamedTuple):
   names: tuple[str, ...]                  # path in the stored tree, e.g. ("opt_state", "1", "0", "mu", ...)
   layout: layout_lib.LeafLayout | None    # the parameter layout of a flat leaf; None for a scalar
   shape: tuple[int, ...]                  # stored (logical) shape
   dtype: Any
   sharding: NamedSharding                 # of the logical array on the executor's mesh
-  kind: str = "flat"                      # "flat", "scalar", Radius's "residual" or "mask" (its indices),
-                                          # qgZ's "error" (stored as held)
-  k: int = 0                              # a mask's selected elements per shard
-
-
-class _Radius(NamedTuple):
-  """How Radius's leaves convert: replicas of the residual, A_os shards of a leaf, the mesh axes."""
-  replicas: int
-  shards: int
-  replica_axes: tuple[str, ...]
-
-  def to_logical(self, x, leaf: _Leaf):
-    if leaf.kind == "residual":
-      return jax.vmap(lambda r: layout_lib.unflatten_leaf(r, leaf.layout))(x)
-    mask = comm.radius.indices_to_mask(x, leaf.layout.padded // self.shards, self.shards)
-    return layout_lib.unflatten_leaf(mask, leaf.layout)
-
-  def from_logical(self, x, leaf: _Leaf):
-    if leaf.kind == "residual":
-      x = comm.radius.fold_residual(x, self.replicas)
-      return jax.vmap(lambda r: layout_lib.flatten_leaf(r, leaf.layout))(x)
-    return comm.radius.mask_to_indices(layout_lib.flatten_leaf(x, leaf.layout), leaf.k, self.shards, leaf.layout.size)
+  kind: str = "flat"                      # "flat", "scalar", or "component" (a stateful component's)
+  stored: Stored | None = None            # how a component's leaf is stored (`Stateful.stored`)
 
 
 class _Spec:
@@ -130,26 +93,14 @@ class _Spec:
                             "to checkpoint.STORED if it is state, or rebuild it after `restore` if derived")
     leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes)
     axes, mesh = executor.plan.opt_order, executor.mesh
-    self.radius = None
-    if executor.plan.replica_sync is not None:
-      self.radius = _Radius(group_size(mesh, executor.replicas), group_size(mesh, axes), executor.replicas)
-      ks = {path_names(p): k for (p, _), k in zip(params, executor.radius_k)}
+    self.components = set(executor.stateful)
+    stored = {n: iter(c.stored()) for n, c in executor.stateful.items()}  # in the order of the state's leaves
     self.leaves = []
     for path, x in leaves:
       names = path_names(path)
-      if names[0] == "grad_error":
-        self.leaves.append(_Leaf(names, None, tuple(x.shape), np.dtype(x.dtype),
-                                 NamedSharding(mesh, P(tuple(mesh.axis_names))), kind="error"))
-        continue
-      if names[0] == "radius" and x.ndim:
-        lay = by_path[names[2:]]
-        if names[1] == "residual":
-          shape = (self.radius.replicas,) + lay.logical_shape
-          self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), self._residual_sharding(mesh, axes, shape),
-                                   kind="residual"))
-        else:
-          self.leaves.append(_Leaf(names, lay, lay.logical_shape, np.dtype(bool),
-                                   _logical_sharding(mesh, axes, lay.logical_shape), kind="mask", k=ks[names[2:]]))
+      if names[0] in stored:
+        s = next(stored[names[0]])
+        self.leaves.append(_Leaf(names, None, s.shape, s.dtype, s.sharding, kind="component", stored=s))
         continue
       if names[0] == "params":
         lay = by_path[names[1:]]
@@ -158,7 +109,7 @@ class _Spec:
       else:
         lay = self._owner(names, tuple(x.shape), params)
       shape = lay.logical_shape if lay else tuple(x.shape)
-      self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), _logical_sharding(mesh, axes, shape),
+      self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), layout_lib.logical_sharding(mesh, axes, shape),
                                kind="flat" if lay else "scalar"))
     seen = {}
     for leaf in self.leaves:
@@ -168,26 +119,13 @@ class _Spec:
                               "give the optimizer state or the params distinct names")
       seen[key] = leaf.names
 
-  def _residual_sharding(self, mesh, axes, shape) -> NamedSharding:
-    """Rows over the replica axes, the logical leaf like the master weights."""
-    rest = _logical_sharding(mesh, axes, shape[1:]).spec
-    return NamedSharding(mesh, P(self.radius.replica_axes or None, *rest, *[None] * (len(shape) - 1 - len(rest))))
-
   def convert(self, x, leaf: _Leaf, to_logical: bool):
     """One stored leaf to its logical form (`to_logical`) or back into the executor's layout."""
     if leaf.kind == "scalar":
       return x
-    if leaf.kind == "error":  # another layout's errors: start from zero
-      return x if tuple(x.shape) == leaf.shape else np.zeros(leaf.shape, leaf.dtype)
-    if leaf.kind == "flat":
-      return layout_lib.unflatten_leaf(x, leaf.layout) if to_logical else layout_lib.flatten_leaf(x, leaf.layout)
-    return self.radius.to_logical(x, leaf) if to_logical else self.radius.from_logical(x, leaf)
-
-  def fresh(self, leaf: _Leaf):
-    """A Radius leaf a checkpoint without Radius lacks: empty residual and mask, no selection yet."""
-    if leaf.kind == "scalar":
-      return np.full(leaf.shape, -1, leaf.dtype)
-    return np.zeros(leaf.shape, leaf.dtype)
+    if leaf.kind == "component":
+      return leaf.stored.to_logical(x) if to_logical else leaf.stored.from_logical(x)
+    return layout_lib.unflatten_leaf(x, leaf.layout) if to_logical else layout_lib.flatten_leaf(x, leaf.layout)
 
   @staticmethod
   def _owner(names, shape, params):
@@ -219,33 +157,28 @@ class _Spec:
     return {SEP.join(l.names): (l.shape, l.dtype) for l in self.leaves}
 
   def abstract(self, saved: dict | None = None) -> dict:
-    """The restore target of the stored leaves in `saved` (default all); a residual saved with another
-    number of replicas is read in its saved shape."""
+    """The restore target of the stored leaves in `saved` (default all); a component's leaf saved in
+    another shape it accepts (e.g. another number of replicas) is read in its saved shape."""
     out = []
     for l in self.leaves:
       key = SEP.join(l.names)
       if saved is not None and key not in saved:
         continue
-      if l.kind == "error" and saved is not None and tuple(saved[key][0]) != l.shape:
-        out.append((l.names, jax.ShapeDtypeStruct(tuple(saved[key][0]), l.dtype,
-                                                  sharding=NamedSharding(l.sharding.mesh, P()))))
-      elif l.kind == "residual" and saved is not None and tuple(saved[key][0]) != l.shape:
+      if l.kind == "component" and saved is not None and tuple(saved[key][0]) != l.shape:
         shape = tuple(saved[key][0])
-        out.append((l.names, jax.ShapeDtypeStruct(shape, l.dtype, sharding=_logical_sharding(
-            l.sharding.mesh, tuple(a for a in l.sharding.mesh.axis_names if a not in self.radius.replica_axes),
-            shape))))
+        out.append((l.names, jax.ShapeDtypeStruct(shape, l.dtype, sharding=l.stored.read_sharding(shape))))
       else:
         out.append((l.names, jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=l.sharding)))
     return _nested(out)
 
   def complete(self, tree: dict) -> dict:
-    """`tree` with the Radius leaves it lacks (a checkpoint saved without Radius) made fresh."""
+    """`tree` with the component leaves it lacks (a checkpoint saved without the component) made fresh."""
     values = []
     for l in self.leaves:
       d = tree
       for n in l.names:
         d = d.get(n) if isinstance(d, dict) else None
-      values.append(self.fresh(l) if d is None else d)
+      values.append(l.stored.fresh() if d is None else d)
     return self.nest(values)
 
 
@@ -293,26 +226,20 @@ def state_from_logical(executor, tree: dict):
 def check_compatible(spec: _Spec, saved: dict, where: str) -> None:
   """Raises a `CheckpointError` naming the stored leaves that do not match the target run.
 
-  Radius's leaves may be absent (a checkpoint without Radius: they start fresh) and its residual may
-  have another number of replicas (it is folded); Radius leaves this run has no use for are an error.
+  A stateful component's leaves may be absent (a checkpoint without the component: they start fresh) or
+  saved in another shape the component accepts (`Stored.accepts`); the state of a component this run
+  does not have is an error (`Stateful.refuse_restore`).
   """
   want = spec.expected()
-  extra = sorted(k for k in set(saved) - set(want) if k.startswith("radius" + SEP))
-  if extra and not any(k.startswith("radius" + SEP) for k in want):
-    raise CheckpointError(f"checkpoint {where} holds Radius's residual and indices ({extra[0]}, ...), but this "
-                          "plan has replica_sync=None and would drop the unsent gradient; restore with the "
-                          "plan's replica_sync=radius(...): its next select step sends the residual")
-  extra = sorted(k for k in set(saved) - set(want) if k.startswith("grad_error" + SEP))
-  if extra:
-    raise CheckpointError(f"checkpoint {where} holds qgZ's error feedback buffers ({extra[0]}, ...), but this "
-                          "plan has grad_error_feedback=False; restore with grad_error_feedback=True")
-  flexible = {SEP.join(l.names) for l in spec.leaves if l.kind in ("residual", "error")}
-  for k in flexible & set(saved):
-    if tuple(saved[k][0][1:]) == tuple(want[k][0][1:]):
-      saved = {**saved, k: (want[k][0], saved[k][1])}
-  saved = {**{k: want[k] for k in want if k.startswith(("radius" + SEP, "grad_error" + SEP)) and k not in saved},
-           **saved}
-  saved = {k: want[k] if k.startswith("grad_error" + SEP) else v for k, v in saved.items()}
+  for kind in STATEFUL:
+    extra = sorted(k for k in set(saved) - set(want) if k.startswith(kind.name + SEP))
+    if extra and kind.name not in spec.components:
+      raise CheckpointError(kind.refuse_restore(where, extra[0]))
+  saved = dict(saved)
+  for l in spec.leaves:
+    k = SEP.join(l.names)
+    if l.kind == "component" and (k not in saved or l.stored.restores(saved[k][0])):
+      saved[k] = (want[k][0], saved[k][1] if k in saved else want[k][1])
   fmt = lambda sd: f"shape {tuple(sd[0])} {np.dtype(sd[1])}"
   order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params"), k))  # params first
   groups = [

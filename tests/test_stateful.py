@@ -1,0 +1,99 @@
+"""Stateful components (`zerojax.stateful`): each kind owns one train-state field, declares its state's
+shardings, checkpoint leaves and bytes consistently, and the executor, the checkpoint spec and the
+memory report reach it only through the protocol.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+import zerojax.plan as plans
+from tests import helpers
+from zerojax.memory import memory_report
+from zerojax.stateful import Stateful
+from zerojax.train import state_spec
+from zerojax.train_state import STATEFUL, TrainState
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# MiCS in groups of 2 nodes on 4 x 2: qgZ with two hops and error feedback, and Radius over 2 replicas.
+BOTH = plans.mics(group_size=4, grad_bits=8, grad_error_feedback=True,
+                  replica_sync=plans.radius(density=0.25, period=2, dense_steps=1))
+
+
+@pytest.fixture(scope="module")
+def both():
+  ex = zerojax.Executor(helpers.tiny_gpt(), optax.adamw(1e-3), BOTH, zerojax.make_mesh(4, 2), pad_multiple=3,
+                        accum_steps=2)
+  return ex, ex.init(jax.random.key(0))
+
+
+def test_each_kind_owns_one_train_state_field():
+  fields = [f.name for f in dataclasses.fields(TrainState)]
+  names = [kind.name for kind in STATEFUL]
+  assert fields[-len(names):] == names and len(set(names)) == len(names)
+  assert all(issubclass(kind, Stateful) for kind in STATEFUL)
+  assert sorted(state_spec.STORED) == sorted(fields)
+
+
+def test_the_step_the_checkpoints_and_the_memory_report_name_no_component():
+  """They iterate over `Executor.stateful`; a component is named only by its own module."""
+  words = {w for kind in STATEFUL for w in (kind.name, kind.__name__, kind.setting.split("=")[0])}
+  for path in ("zerojax/executor.py", "zerojax/train/state_spec.py", "zerojax/memory.py"):
+    text = (ROOT / path).read_text()
+    assert [w for w in words if w in text] == [], path
+
+
+def test_a_plan_without_state_has_no_component():
+  ex = zerojax.Executor(helpers.tiny_gpt(), optax.adamw(1e-3), plans.mics(), zerojax.make_mesh(2, 4))
+  assert ex.stateful == {}
+  shapes = jax.eval_shape(ex.init_from_flat, ex.flat_shapes())
+  assert all(getattr(shapes, kind.name) is None for kind in STATEFUL)
+  assert all(memory_report(ex)["expected"][kind.name] == 0 for kind in STATEFUL)
+
+
+@pytest.mark.slow  # each component alone in the fast suite: test_radius.py, test_fidelity.py
+def test_components_declare_their_state_consistently(both):
+  """Per component: the state's leaves, PartitionSpecs and checkpoint leaves agree; the live shards on a
+  device are the bytes it counts; the stored layout round-trips bitwise."""
+  ex, state = both
+  assert sorted(ex.stateful) == sorted(kind.name for kind in STATEFUL)
+  for name, c in ex.stateful.items():
+    held = getattr(state, name)
+    leaves = jax.tree.leaves(held)
+    specs = jax.tree.leaves(c.specs(), is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    stored = c.stored()
+    assert len(leaves) == len(specs) == len(stored) > 0, name
+    for x, spec, s in zip(leaves, specs, stored):
+      assert x.sharding.is_equivalent_to(jax.sharding.NamedSharding(ex.mesh, spec), x.ndim), name
+      assert len(s.shape) >= x.ndim - 1 and s.sharding.mesh.shape == ex.mesh.shape, name
+  rep = memory_report(ex, state)
+  for name in ex.stateful:
+    assert rep["measured"][name] == rep["expected"][name] > 0, name
+  logical = state_spec.logical_state(ex, state)
+  back = state_spec.state_from_logical(ex, logical)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), strict=True)
+
+
+@pytest.mark.slow  # three programs compiled
+def test_both_components_in_one_step(both):
+  """Error feedback and Radius together: the dense, select and sparse programs each update only what
+  they own, the residual and the errors stay per replica / device, and the run stays finite."""
+  ex, _ = both
+  state, step = ex.init(jax.random.key(1)), ex.step_fn()  # the step donates its state
+  phases = []
+  for b in helpers.batches(3, 2):
+    phases.append(ex.phase(state))
+    old = [np.asarray(e) for e in jax.tree.leaves(state.grad_error)]
+    state, m = step(state, jax.device_put(b, ex.batch_sharding))
+    assert bool(m.finite)
+    assert any(not np.array_equal(np.asarray(e), o) for e, o in zip(jax.tree.leaves(state.grad_error), old)), phases[-1]
+  assert phases == ["dense", "select", "sparse"]
+  assert int(state.radius.selected_at) == 1
+  assert any(float(np.abs(np.asarray(r)).max()) > 0 for r in jax.tree.leaves(state.radius.residual))
