@@ -242,7 +242,7 @@ def test_prefetch_carries_qgz_state_per_layer(name):
       np.testing.assert_array_equal(a, b)
   else:
     assert helpers.rel_l2(got, want) < 1e-3
-    assert helpers.rel_l2(errors[0], errors[1]) < 1e-2
+    assert helpers.rel_l2(errors[0], errors[1]) < 1e-3  # measured 3e-5 (gradients 2e-6)
   assert all(float(jnp.abs(e).max()) > 0 for e in errors[0])  # the second micro-step fed back the first's
   assert helpers.rel_l2(got, case(4)[3]) < 0.5  # int4 qgZ noise (bounded in test_zeropp.py), not garbage
 

@@ -14,6 +14,10 @@ executor's `shard_map` the params are a `ShardedUnit`, and the call becomes a `j
   shard. The executor differentiates with respect to the sinks, so A_g may shard more finely than A_p
   (ZeRO-2, AMSP) while the gradient is still reduced layer by layer inside the backward pass.
 
+That `custom_vjp`, `sharded_call`, is the one engine of every unit: a `Schedule` orders the components
+above (gather, `call_forward`, re-gather, `call_backward`, `reduce_and_sync`); `ONE_CALL` runs one call,
+`zerojax.prefetch.PREFETCH` a scanned unit's layers with the next layer's gather in flight.
+
 References:
   ZeRO: Rajbhandari et al. 2020, §5.3. ZeRO++: Wang et al. 2023, §3 (the unit's collectives).
 """
