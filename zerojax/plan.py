@@ -167,8 +167,11 @@ class Plan:
       backward runs (`zerojax.prefetch`): a schedule of the unit's own engine, so it composes with every
       other field (remat modes, qgZ error feedback, stochastic rounding). At most two gathered layers are
       alive. False: each layer gathers when it runs. Same numbers either way (to float reassociation).
-      None (the default): on for a mesh of GPUs when the parameters are sharded, off on CPUs; `resolve`
-      decides. On GPUs it is what lets the layer loops' collectives overlap compute (`zerojax.gpu_aot`).
+      None (the default): on for a mesh of GPUs when the parameters are sharded and remat is "full", off
+      on CPUs; `resolve` decides. On GPUs it is what lets the layer loops' collectives overlap compute
+      (`zerojax.gpu_aot`). With remat "dots" / "none" it is opt-in: there the compiled H100 program of
+      zeropp keeps weights gathered outside the backward layer loop alive across it (the per-layer path
+      does not).
   """
   name: str = "zero3"
   param_axes: Axes = AXES
@@ -359,7 +362,7 @@ class Plan:
                        "(automatic) or False")
     prefetch = self.prefetch
     if prefetch is None:  # on GPUs the default (zerojax.gpu_aot): the layer loops' collectives overlap compute
-      prefetch = gpu_aot.is_gpu(mesh) and bool(resolved.param_axes)
+      prefetch = gpu_aot.is_gpu(mesh) and bool(resolved.param_axes) and self.remat in (None, "full")
     return dataclasses.replace(resolved, prefetch=prefetch,
                                hierarchical=bool(spans if self.hierarchical is None else self.hierarchical))
 
