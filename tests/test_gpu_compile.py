@@ -101,3 +101,16 @@ def test_at_most_two_gathered_layers_alive_in_the_layer_loops():
   for e in loops:
     assert e["outside_bytes"] == 0, e
     assert 0 < e["bytes"] <= 2 * layer, (e, layer)
+
+
+def test_prefetch_with_qgz_state():
+  """Prefetch, a schedule of the unit's one engine, is on by default with qgZ's error feedback and
+  stochastic rounding: each layer loop's gathers and reductions stay asynchronous, and no gathered
+  weights are alive outside the layer loops while they run."""
+  rep = compiled("configs/zeropp.gin", ("zeropp.grad_error_feedback=True", "zeropp.stochastic_rounding=True"))["report"]
+  assert rep["prefetch"] is True
+  loop = [c for c in rep["collectives"] if c["in_layer_loop"] and c["role"] in LAYER_ROLES]
+  assert {c["role"] for c in loop} == set(LAYER_ROLES) and all(c["async"] for c in loop), loop
+  loops = rep["gathered_alive"]["layer_loops"]
+  assert {e["direction"] for e in loops} == {"forward", "backward"}, loops
+  assert all(e["outside_bytes"] == 0 for e in loops), loops

@@ -164,11 +164,14 @@ class Plan:
       (select and sparse steps do not use `sync_in_backward`; its dense warm-up steps do).
     prefetch: inside a scanned unit run by `zerojax.scan_layers`, gather layer i+1 while layer i computes
       (forward), and in backward gather layer i-1 and reduce layer i+1's gradient while layer i's
-      backward runs (`zerojax.prefetch`). At most two gathered layers are alive. False: each layer
-      gathers when it runs. Same numbers either way.
-      None (the default): on for a mesh of GPUs when the parameters are sharded and the plan allows it
-      (remat "full", no qgZ error feedback or stochastic rounding), off on CPUs; `resolve` decides.
-      On GPUs it is what lets the layer loops' collectives overlap compute (`zerojax.gpu_aot`).
+      backward runs (`zerojax.prefetch`): a schedule of the unit's own engine, so it composes with every
+      other field (remat modes, qgZ error feedback, stochastic rounding). At most two gathered layers are
+      alive. False: each layer gathers when it runs. Same numbers either way (to float reassociation).
+      None (the default): on for a mesh of GPUs when the parameters are sharded and remat is "full", off
+      on CPUs; `resolve` decides. On GPUs it is what lets the layer loops' collectives overlap compute
+      (`zerojax.gpu_aot`). With remat "dots" / "none" it is opt-in: there the compiled H100 program of
+      zeropp keeps weights gathered outside the backward layer loop alive across it (the per-layer path
+      does not).
   """
   name: str = "zero3"
   param_axes: Axes = AXES
@@ -290,12 +293,6 @@ class Plan:
     if self.grad_bits and self.reduce_via != "auto":
       raise ValueError(f"plan {self.name!r}: reduce_via={self.reduce_via!r} with qgZ (grad_bits={self.grad_bits}), "
                        "which is its own 2-hop all-to-all; leave reduce_via='auto'")
-    if self.prefetch and (self.grad_error_feedback or self.stochastic_rounding):
-      raise ValueError(f"plan {self.name!r}: prefetch=True with grad_error_feedback / stochastic_rounding, whose "
-                       "per-layer qgZ state the prefetched stack does not carry; use prefetch=False with them")
-    if self.prefetch and self.remat not in (None, "full"):
-      raise ValueError(f"plan {self.name!r}: remat={self.remat!r} with prefetch=True, whose backward recomputes "
-                       "each layer's forward; use remat='full' (or None) with prefetch, or prefetch=False")
 
   @property
   def gradient_all_to_all(self) -> bool:
@@ -307,11 +304,9 @@ class Plan:
 
   @property
   def remat_mode(self) -> str:
-    """`remat`, with None resolved: "none" without sharded parameters (and without prefetch), else "full"."""
+    """`remat`, with None resolved: "none" without sharded parameters, else "full"."""
     if self.remat is not None:
       return self.remat
-    if self.prefetch:
-      return "full"
     return "none" if self.param_axes in ((), 1) else "full"
 
   @property
@@ -367,8 +362,7 @@ class Plan:
                        "(automatic) or False")
     prefetch = self.prefetch
     if prefetch is None:  # on GPUs the default (zerojax.gpu_aot): the layer loops' collectives overlap compute
-      prefetch = gpu_aot.is_gpu(mesh) and bool(resolved.param_axes) and self.remat in (None, "full") and \
-          not (self.grad_error_feedback or self.stochastic_rounding)
+      prefetch = gpu_aot.is_gpu(mesh) and bool(resolved.param_axes) and self.remat in (None, "full")
     return dataclasses.replace(resolved, prefetch=prefetch,
                                hierarchical=bool(spans if self.hierarchical is None else self.hierarchical))
 

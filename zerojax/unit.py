@@ -14,6 +14,10 @@ executor's `shard_map` the params are a `ShardedUnit`, and the call becomes a `j
   shard. The executor differentiates with respect to the sinks, so A_g may shard more finely than A_p
   (ZeRO-2, AMSP) while the gradient is still reduced layer by layer inside the backward pass.
 
+That `custom_vjp`, `sharded_call`, is the one engine of every unit: a `Schedule` orders the components
+above (gather, `call_forward`, re-gather, `call_backward`, `reduce_and_sync`); `ONE_CALL` runs one call,
+`zerojax.prefetch.PREFETCH` a scanned unit's layers with the next layer's gather in flight.
+
 References:
   ZeRO: Rajbhandari et al. 2020, §5.3. ZeRO++: Wang et al. 2023, §3 (the unit's collectives).
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -157,10 +161,25 @@ def shard_cotangents(meta: UnitMeta, layers: int | None = None) -> list:
   return [jnp.zeros(lead + (l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sharded_call(f, meta, shards, sinks, qgz, *args):
-  del sinks, qgz
-  return f(params_tree(meta, gather_flats(meta, shards)), *args)
+def call_forward(f, meta: UnitMeta, flats: list, args: tuple, differentiated: bool = True):
+  """One call of `f` on the gathered weights `flats`: `(out, saved)`, `saved` being what its backward
+  needs under `Plan.remat`: the inputs ("full") or the forward's activations without the weights
+  (`remat.forward`, "dots" / "none"); None when the call is not differentiated."""
+  mode = meta.plan.remat_mode
+  if not differentiated or mode == "full":
+    return f(params_tree(meta, flats), *args), (args if differentiated else None)
+  return remat.forward(f, mode, params_tree(meta, flats), *args)
+
+
+def call_backward(f, meta: UnitMeta, flats: list, saved, g):
+  """`(parameter gradient, input cotangents)` of one call, on the re-gathered weights `flats`:
+  recomputing the forward ("full") or reusing its saved activations."""
+  if isinstance(saved, remat.Saved):  # remat "dots" / "none": the forward's vjp, re-gathered weights in
+    vjp = saved.vjp_with(params_tree(meta, flats))
+  else:
+    _, vjp = jax.vjp(f, params_tree(meta, flats), *saved)
+  dparams, *dargs = vjp(g)
+  return dparams, dargs
 
 
 def ordered_after(tree, dep):
@@ -179,18 +198,51 @@ def ordered_after(tree, dep):
   return tree
 
 
-def _sharded_fwd(f, meta, shards, sinks, qgz, *args):
+class Schedule(NamedTuple):
+  """The order in which `sharded_call` runs a unit's components (gather, `call_forward`, re-gather,
+  `call_backward`, `reduce_and_sync`).
+
+  forward(f, meta, shards, args, differentiated) -> (out, residual)
+  backward(f, meta, residual, window, qgz, g) -> (shard cotangents, reduced chunks, new errors, dargs)
+  """
+  forward: Callable
+  backward: Callable
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def sharded_call(schedule: Schedule, f, meta, shards, sinks, qgz, *args):
+  """The one engine of a unit: `schedule`'s forward and backward as a `jax.custom_vjp` whose
+  differentiated inputs are the shards, the gradient sinks, qgZ's state and `args`. The shards' cotangent
+  is zero, the sinks' is the reduced gradient, the error-feedback buffers' the new errors."""
+  del sinks, qgz
+  return schedule.forward(f, meta, shards, args, False)[0]
+
+
+def _engine_fwd(schedule, f, meta, shards, sinks, qgz, *args):
+  out, residual = schedule.forward(f, meta, shards, args, True)
+  return out, (residual, sinks if meta.sync_axes else None, qgz)
+
+
+def _engine_bwd(schedule, f, meta, residuals, g):
+  residual, window, qgz = residuals
+  dshards, dsinks, error, dargs = schedule.backward(f, meta, residual, window, qgz, g)
+  seed = None if qgz[1] is None else np.zeros(qgz[1].shape, jax.dtypes.float0)
+  return (dshards, dsinks, (error, seed), *dargs)
+
+
+sharded_call.defvjp(_engine_fwd, _engine_bwd)
+
+
+def _one_forward(f, meta, shards, args, differentiated):
+  """The unit's schedule, forward: gather (once its inputs exist), compute, keep the residual: the
+  primary shard or with hpZ the secondary shard, and `call_forward`'s saved values; never the gathered
+  weights."""
+  if not differentiated:
+    return call_forward(f, meta, gather_flats(meta, shards), args, False)
   flats = gather_flats(meta, ordered_after(shards, args))
-  # Residual: the primary shard, or with hpZ the secondary shard of the (dequantized) gathered weights,
-  # so the backward uses exactly the forward's weights. Never the full gathered weights.
   kept = kept_shards(meta, shards, flats)
-  window = sinks if meta.sync_axes else None
-  mode = meta.plan.remat_mode
-  if mode == "full":  # the backward recomputes the forward from the inputs
-    out = f(params_tree(meta, flats), *args)
-    return out, (kept, args, window, qgz, _scalars(out))
-  out, saved = remat.forward(f, mode, params_tree(meta, flats), *args)  # activations, no weights
-  return out, (kept, saved, window, qgz, _scalars(out))
+  out, saved = call_forward(f, meta, flats, args)
+  return out, (kept, saved, _scalars(out))
 
 
 def _scalars(out):
@@ -201,8 +253,9 @@ def _scalars(out):
   return out if leaves and all(getattr(x, "size", 2) == 1 for x in leaves) else None
 
 
-def _sharded_bwd(f, meta, residuals, g):
-  kept, args, window, qgz, out = residuals
+def _one_backward(f, meta, residual, window, qgz, g):
+  """The unit's schedule, backward: re-gather once the cotangent exists, VJP, reduce (and sync)."""
+  kept, saved, out = residual
   if out is not None:  # on GPUs only; XLA:CPU's program is left as it was
     g = lax.platform_dependent(g, out, cpu=lambda c, o: c, default=ordered_after)
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
@@ -212,19 +265,13 @@ def _sharded_bwd(f, meta, residuals, g):
   # On GPUs also to the unit's inputs: the head's cotangent is the loss seed, a constant that alone lets
   # XLA:GPU gather the head's weights at the step's start (merged with the embedding's forward gather).
   # XLA:CPU merges the head's two gathers into one instead; its program is left as it was.
-  kept = lax.platform_dependent(kept, args, cpu=lambda k, a: k, default=ordered_after)
-  flats = regather(meta, kept)
-  if isinstance(args, remat.Saved):  # remat "dots" / "none": the forward's vjp, re-gathered weights in
-    vjp = args.vjp_with(params_tree(meta, flats))
-  else:
-    _, vjp = jax.vjp(f, params_tree(meta, flats), *args)
-  dparams, *dargs = vjp(g)
+  kept = lax.platform_dependent(kept, saved, cpu=lambda k, a: k, default=ordered_after)
+  dparams, dargs = call_backward(f, meta, regather(meta, kept), saved, g)
   dsinks, error = reduce_and_sync(meta, dparams, window, qgz)
-  seed = None if qgz[1] is None else np.zeros(qgz[1].shape, jax.dtypes.float0)
-  return (shard_cotangents(meta), dsinks, (error, seed), *dargs)
+  return shard_cotangents(meta), dsinks, error, dargs
 
 
-_sharded_call.defvjp(_sharded_fwd, _sharded_bwd)
+ONE_CALL = Schedule(_one_forward, _one_backward)
 
 
 class _Bound:
@@ -312,6 +359,6 @@ def unit(f: Callable) -> Callable:
       g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))
       arrays = [x for x in leaves if _is_array(x)]
       check_collectives(g, params.meta, arrays)
-      return _sharded_call(g, params.meta, params.shards, params.sinks, params.qgz, *arrays)
+      return sharded_call(ONE_CALL, g, params.meta, params.shards, params.sinks, params.qgz, *arrays)
     return f(params, *args, **kwargs)
   return apply
