@@ -69,7 +69,12 @@ class Executor:
       that name groups by size, and keeps the result as `self.mesh`.
     accum_steps: micro-batches per optimizer step (gradient accumulation).
     pad_multiple: leaves are padded to a multiple of (devices x lcm(pad_multiple, plan.alignment)).
+
+  Attributes:
+    planner_rows: the planner's ranked table when `auto()` chose this executor's plan (set by the trainer,
+      written to `summary.json`); None otherwise.
   """
+  planner_rows: list[dict] | None = None
 
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
                accum_steps: int = 1, pad_multiple: int = 1):

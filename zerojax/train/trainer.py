@@ -273,7 +273,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
              "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if median else None,
              "data": dataset.source, "memory_bytes_per_device": memory_report(ex)["expected"],
              "plan_fields": dataclasses.asdict(plan)}
-  if getattr(ex, "planner_rows", None):
+  if ex.planner_rows:
     summary["planner"] = ex.planner_rows
   if lead:
     report.write_json(os.path.join(workdir, "summary.json"), summary)
