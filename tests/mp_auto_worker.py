@@ -54,6 +54,7 @@ def main(pid, port, out):
     error = None
   except planner.PlanError as e:
     error = str(e)
+  first = list(measured)  # the first build's measurements (the second build measures its own)
   # trials whose local times disagree: process 1 times the first candidate 100x slower than it runs
   local, time_step = {}, trial.time_step
 
@@ -64,7 +65,7 @@ def main(pid, port, out):
   trial.time_step = timed
   tried = trainer.build(planner.auto(profile=path, trials=1, trial_steps=1), accum_steps=1, batch_size=8)
   with open(os.path.join(out, f"auto{pid}.json"), "w") as f:
-    json.dump({"alone": alone, "measured": measured, "plan": ex.plan.name, "error": error, "rows": ex.planner_rows,
+    json.dump({"alone": alone, "measured": first, "plan": ex.plan.name, "error": error, "rows": ex.planner_rows,
                "loss": float(m.loss), "trial_local": local, "trial_plan": tried.plan.name,
                "trial_rows": tried.planner_rows}, f)
   print(f"process {pid} ran {ex.plan.name}", flush=True)
