@@ -85,11 +85,6 @@ def pad_flat(x: jax.Array, lay: LeafLayout) -> jax.Array:
   return jnp.pad(x.reshape(-1), (0, lay.padded - lay.size))
 
 
-def trim_flat(flat: jax.Array, lay: LeafLayout) -> jax.Array:
-  """Flat padded `[..., padded]` -> `[..., *lay.shape]`: drops the padding, restores the shape."""
-  return flat[..., :lay.size].reshape(flat.shape[:-1] + lay.shape)
-
-
 def flatten_leaf(x: jax.Array, lay: LeafLayout) -> jax.Array:
   """Logical leaf -> flat zero-padded `[padded]` (or `[layers, padded]`)."""
   if lay.layers is None:
@@ -98,8 +93,9 @@ def flatten_leaf(x: jax.Array, lay: LeafLayout) -> jax.Array:
 
 
 def unflatten_leaf(flat: jax.Array, lay: LeafLayout) -> jax.Array:
-  """Flat padded leaf -> logical shape (drops the padding)."""
-  return trim_flat(flat, lay)
+  """Flat padded `[..., padded]` -> `[..., *lay.shape]`: drops the padding, restores the shape (also of
+  a stacked `[layers, padded]` leaf)."""
+  return flat[..., :lay.size].reshape(flat.shape[:-1] + lay.shape)
 
 
 def spec(lay: LeafLayout, axes: tuple[str, ...]) -> P:

@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 from zerojax import comm, remat
-from zerojax.layout import LeafLayout, pad_flat, trim_flat
+from zerojax.layout import LeafLayout, pad_flat, unflatten_leaf
 from zerojax.mesh import owner_index
 from zerojax.plan import Plan
 
@@ -96,7 +96,7 @@ def gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
 
 def params_tree(meta: UnitMeta, flats: list) -> Any:
   dtype = meta.plan.compute_dtype or meta.plan.param_dtype
-  return jax.tree.unflatten(meta.treedef, [trim_flat(f, l).astype(dtype)
+  return jax.tree.unflatten(meta.treedef, [unflatten_leaf(f, l).astype(dtype)
                                            for f, l in zip(flats, meta.leaves)])
 
 
