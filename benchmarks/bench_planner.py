@@ -109,6 +109,9 @@ def candidates(pred: dict, space: str, top: int) -> dict[str, dict]:
   return {r["plan"]: r for r in (rows[:top] if space == "top" else rows)}
 
 
+FAILED: list[dict] = []  # runs that failed or hung (each attempt), written to the report
+
+
 def run(nodes: int, gpus: int, rate: str, accum: int, params: list[str], args, what: str) -> dict | None:
   """One emulated-cluster run; a run that fails or hangs (`--run_timeout`) is tried once more, then left
   out of the cell (logged, and counted in the cell's `failed`)."""
@@ -119,9 +122,6 @@ def run(nodes: int, gpus: int, rate: str, accum: int, params: list[str], args, w
       print(f"bench_planner: {what}: attempt {attempt} failed: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
       FAILED.append({"run": what, "attempt": attempt, "error": str(e)[-2000:]})
   return None
-
-
-FAILED: list[dict] = []
 
 
 def cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> dict:

@@ -20,6 +20,7 @@ References:
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Callable, ClassVar
 
@@ -70,10 +71,11 @@ def keep(finite, new, old):
   return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-class Stateful:
+class Stateful(abc.ABC):
   """A plan's component with state across steps. Subclasses set the class attributes and implement
-  `of`, `init`, `specs`, `memory_bytes`, `stored` and `refuse_restore`; the step's hooks default to
-  "not used".
+  the abstract `of`, `init`, `specs`, `memory_bytes`, `stored` and `refuse_restore` (a subclass missing
+  one cannot be built); the step's hooks default to "not used", and `sync` is needed only by a
+  component with `phases`.
 
   Attributes:
     name: the `TrainState` field that holds the state, and its top-level name in checkpoints.
@@ -88,24 +90,24 @@ class Stateful:
   in_backward: ClassVar[bool] = False
 
   @classmethod
+  @abc.abstractmethod
   def of(cls, plan, mesh, layout, metas) -> "Stateful | None":
     """The component of a resolved `plan` on `mesh` for the parameter `layout` and the units' `metas`,
     or None when the plan does not use it."""
-    raise NotImplementedError
 
   @classmethod
+  @abc.abstractmethod
   def refuse_restore(cls, where: str, key: str) -> str:
     """The one-line reason a checkpoint at `where` holding this component's state (e.g. the leaf `key`)
     does not restore into a run without the component."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def init(self, flat) -> Any:
     """The initial state (global arrays) given the flat master weights; traced under `jit`."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def specs(self) -> Any:
     """PartitionSpecs of the state on the executor's mesh (a tree like the state)."""
-    raise NotImplementedError
 
   def phase(self, state) -> str | None:
     """On the host: the program the step of `state` (a `TrainState`) runs, one of `phases`, or None."""
@@ -123,17 +125,17 @@ class Stateful:
     """Inside the body, in a phase of `phases`: the replica sync. `grads` are the local gradient sums
     (reduced over A_os), `local` what `body_in` passed, `axes` the replica axes, `denom` devices x
     micro-batches; returns the mean gradients and the body's output for the component."""
-    raise NotImplementedError
+    raise TypeError(f"{type(self).__name__} names phases {self.phases} but defines no sync for them")
 
   def update(self, state, out, updates, step, finite, phase: str) -> Any:
     """After the optimizer's update, outside the body: the next state from the body's output `out`, the
     optimizer's `updates` and the step; `finite` is False on a skipped step (then keep `state`)."""
     return state
 
+  @abc.abstractmethod
   def memory_bytes(self) -> int:
     """Bytes of the state per device."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def stored(self) -> list[Stored]:
     """How each leaf of the state is checkpointed, in the order of `jax.tree.leaves(state)`."""
-    raise NotImplementedError

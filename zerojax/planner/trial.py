@@ -1,8 +1,9 @@
 """Trials: the planner's few best predictions and the named plans, measured on this cluster.
 
 A cost model ranks a space of hundreds of plans in milliseconds, but it is a model: on the emulated
-cluster it mispredicted steps by 10–60% (in-step costs of reductions and conversions the collective
-profile does not see), enough to reorder plans a few percent apart. AMSP runs the plan its model
+cluster its step times were off by a median 20% and up to 2.3x (`benchmarks/planner.json`; in-step
+costs of reductions and conversions the collective profile does not see), enough to reorder plans a
+few percent apart. AMSP runs the plan its model
 chooses (§V); DeepSpeed's autotuner measures every candidate it keeps. `auto` does both: the model
 prunes the space to the `k` fastest predicted plans that fit, to which the plans a user would pick by
 hand are added (ZeRO-3, ZeRO++, MiCS with group = node, where they fit), and each of these is compiled
@@ -17,12 +18,7 @@ References:
 """
 from __future__ import annotations
 
-import statistics
-import time
-
-import jax
-
-from zerojax.planner import agree
+from zerojax.planner import agree, compute
 from zerojax.planner.space import Point, named
 
 BASELINES = ("zero3", "zeropp", "mics")  # the named plans every trial set holds (where they fit)
@@ -43,20 +39,8 @@ def candidates(fitting: list[tuple[str, Point]], k: int, base: list[tuple[str, P
 
 def time_step(executor, batch, steps: int = 3) -> float:
   """Median seconds of `steps` train steps of `executor` on `batch` (host array, every process the same)
-  after one warm-up step; the step is compiled once (AOT) and the state freed on return."""
-  state = executor.init(jax.random.key(0))
-  batch = jax.device_put(batch, executor.batch_sharding)
-  compiled = executor.step_fn().lower(state, batch).compile()
-  state, m = compiled(state, batch)
-  m.loss.block_until_ready()
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, m = compiled(state, batch)
-    m.loss.block_until_ready()
-    times.append(time.perf_counter() - t0)
-  del state
-  return statistics.median(times)
+  after one warm-up step (`compute.measure`: compiled once, the state freed on return)."""
+  return compute.measure(executor, batch, steps)[0]
 
 
 def run(cands: list[tuple[str, Point]], make_executor, nodes: int, gpus: int, batch, *, steps: int = 3,
