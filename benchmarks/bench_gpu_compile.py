@@ -89,7 +89,7 @@ def llama(meshes: list, plans: list) -> dict:
       model = compile_cli.memory_report(ex)["expected"]
       acc = step_report(ex, collectives_from_hlo(text, ex.mesh))
       rep = compile_cli.report(ex, prog, seconds)
-      row = {"plan": plan, "mesh": mesh, "prefetch": ex.plan.prefetch, "parameters": acc["model_parameters"],
+      row = {"plan": plan, "mesh": mesh, "prefetch": ex.components.prefetch, "parameters": acc["model_parameters"],
              "batch_per_device": batch // ex.world, "seq_len": 4096, "compile_s": round(seconds, 1),
              "compiled_memory": mem, "memory_report": model,
              "fits_80GB": mem["peak"] <= H100_BYTES, "headroom_GB": round((H100_BYTES - mem["peak"]) / 1e9, 2),

@@ -160,7 +160,7 @@ def test_plan_field_errors():
                     ({"grad_block": 48, "rotate": True}, "power-of-two grad_block")]:
     with pytest.raises(ValueError, match=match):
       plans.zeropp(**kw)
-  assert plans.zeropp(grad_bits=[8, 4]).hop_bits == (8, 4) and plans.zeropp().hop_bits == (4, 4)
+  assert plans.zeropp(grad_bits=[8, 4]).reduction.hop_bits == (8, 4) and plans.zeropp().reduction.hop_bits == (4, 4)
 
 
 def summing() -> optax.GradientTransformation:

@@ -149,7 +149,7 @@ def test_zeropp_train_step_with_pallas_compiles_triton_kernels_for_h100s(rotate,
   triton, interpreted = kernels_in(hlo)
   assert not interpreted, dict(interpreted)
   units = len(ex.param_specs)
-  assert ex.plan.prefetch is (prefetch is None)  # None: on for GPUs
+  assert ex.plan.schedule.prefetch is (prefetch is None)  # None: on for GPUs
   per_kind = units if prefetch is False else units + 1
   assert triton == {k: per_kind for k in ("zerojax_quantize", "zerojax_dequantize",
                                           "zerojax_reorder_quantize", "zerojax_dequant_sum_quantize",

@@ -6,8 +6,8 @@ layer, or of its own group (folder, or the core modules among themselves), never
   0  pallas_kernels                                       the GPU kernels
   1  zerojax.mesh | zerojax.quantization | zerojax.gpu_aot  the mesh | the kernels' front | compile-only GPUs
   2  zerojax.comm                                         the collectives
-  3  zerojax.{plan, layout, remat, fidelity, unit, prefetch, executor, memory, logical, stateful, radius_sync,
-     train_state}                                         core: the plan value and the one executor
+  3  zerojax.{plan_values, plan, components, layout, remat, fidelity, unit, prefetch, executor, memory, logical,
+     stateful, radius_sync, train_state}                  core: the plan, its components and the one executor
   4  zerojax.models | zerojax.planner                     models | the AMSP planner
   5  zerojax.train | zerojax.analysis                     trainer | reading compiled programs
   6  zerojax.cli                                          commands
@@ -22,7 +22,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CORE = ("plan", "layout", "remat", "fidelity", "unit", "prefetch", "executor", "memory", "logical", "model",
+CORE = ("plan_values", "plan", "components", "layout", "remat", "fidelity", "unit", "prefetch", "executor", "memory", "logical", "model",
         "stateful", "radius_sync", "train_state")
 MAX_LINES = 500
 

@@ -28,8 +28,8 @@ def test_plan_validation():
   with pytest.raises(ValueError, match="names axis 'rack'"):
     zerojax.Plan(param_axes=("rack",), grad_axes=("rack",), opt_axes=("rack",)).validate(zerojax.make_mesh(2, 4))
   p = zerojax.Plan(param_axes=("gpu",), grad_axes=("gpu", "node"), opt_axes=("node", "gpu"))
-  assert p.grad_order == ("gpu", "node") and p.opt_order == ("gpu", "node")
-  assert plans.mics().replica_axes(zerojax.make_mesh(2, 4)) == ("node",)
+  assert p.sharding.grad_order == ("gpu", "node") and p.sharding.opt_order == ("gpu", "node")
+  assert plans.mics().sharding.replica_axes(zerojax.make_mesh(2, 4)) == ("node",)
 
 
 def test_bad_inputs_get_clear_errors():

@@ -150,7 +150,7 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile_and_a_plan_under_the_
     rows = ex.planner_rows
     assert ex.plan.name == rows[0]["plan"] and rows == sorted(rows, key=lambda r: r["T_step"])
     assert rows[0]["s_g"] <= 4 and rows[0]["s_p"] <= 4
-    assert all(a in ex.mesh.axis_names for a in ex.plan.grad_axes)
+    assert all(a in ex.mesh.axis_names for a in ex.plan.sharding.grad_axes)
     # the memory-cap demo: a cap just below MiCS's (group = node) need; auto picks a plan that fits and says
     # which faster plans the cap ruled out
     mics = next(r for r in rows if r["plan"] == "mics-4")

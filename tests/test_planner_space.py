@@ -31,8 +31,9 @@ def same_plan(a: plans.Plan, b: plans.Plan, mesh) -> bool:
   """Whether two plans shard and communicate alike on `mesh` (names and schedule options aside)."""
   m = mesh_lib.factor(mesh, tuple(sorted(set(a.groups()) | set(b.groups()))))
   ra, rb = a.resolve(m), b.resolve(m)
-  sets = lambda p: [frozenset(getattr(p, f) or ()) for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes")]
-  fields = lambda p: (p.hierarchical, p.weight_bits, p.hop_bits, p.reduce_dtype, p.replica_sync is not None)
+  sets = lambda p: [frozenset(p.settings()[f] or ()) for f in ("param_axes", "grad_axes", "opt_axes", "secondary_axes")]
+  fields = lambda p: (p.gather.hierarchical, p.gather.weight_bits, p.reduction.hop_bits, p.reduction.reduce_dtype,
+                     p.sync.replica_sync is not None)
   return sets(ra) == sets(rb) and fields(ra) == fields(rb)
 
 
@@ -107,7 +108,7 @@ def test_lossy_switch():
   assert any(r["weight_bits"] == 4 for r in lossy)
   assert lossy[0]["radius"] and lossy[0]["T_step"] < safe[0]["T_step"]
   assert not any(p.lossy for p in planner.plan_space(2, 4, techniques=True))
-  assert planner.solve.point_of(lossy[0]).plan(2, 4).replica_sync is not None
+  assert planner.solve.point_of(lossy[0]).plan(2, 4).sync.replica_sync is not None
 
 
 @pytest.mark.parametrize("lossy", [False, True])

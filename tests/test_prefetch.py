@@ -1,4 +1,4 @@
-"""Plan.prefetch: the same numbers as without it, and in the compiled program each layer loop's
+"""Schedule.prefetch: the same numbers as without it, and in the compiled program each layer loop's
 collectives (the next layer's gather, the previous layer's gradient reduction) neither wait for nor feed
 the same iteration's compute, with one gathered layer in the loop carry."""
 import dataclasses
@@ -235,8 +235,8 @@ def test_prefetch_carries_qgz_state_per_layer(name):
   want, want_loss, want_state = step_state(dataclasses.replace(plan, prefetch=False))
   assert loss == pytest.approx(want_loss, rel=1e-6)
   errors = (jax.tree.leaves(state.grad_error), jax.tree.leaves(want_state.grad_error))
-  assert len(errors[0]) == (2 * 3 if plan.grad_error_feedback else 0)  # (e_send, e_node) of each unit
-  if plan.secondary_axes:
+  assert len(errors[0]) == (2 * 3 if plan.reduction.grad_error_feedback else 0)  # (e_send, e_node) of each unit
+  if plan.gather.secondary_axes:
     assert loss == want_loss
     for a, b in zip(jax.tree.leaves(got) + errors[0], jax.tree.leaves(want) + errors[1]):
       np.testing.assert_array_equal(a, b)

@@ -88,7 +88,7 @@ def reference_radius(model, opt, params, batches, *, layout, replicas, shards, r
 # -- the executor ----------------------------------------------------------------------------------
 
 def executor_masks(ex, state) -> list[np.ndarray]:
-  shards = math.prod(ex.mesh.shape[a] for a in ex.plan.opt_order)
+  shards = math.prod(ex.mesh.shape[a] for a in ex.plan.sharding.opt_order)
   return [np.asarray(comm.radius.indices_to_mask(jnp.asarray(np.asarray(i)), l.padded // shards, shards))
           for i, l in zip(jax.tree.leaves(state.radius.indices), ex.layout.leaves)]
 
@@ -115,7 +115,7 @@ def against_reference(request):
   opt = helpers.optimizer("sgd")
   batches = helpers.batches(len(PHASES), 2)
   ex, init, state, got = run_radius(make(RADIUS), zerojax.make_mesh(*shape), opt, batches)
-  shards = math.prod(ex.mesh.shape[a] for a in ex.plan.opt_order)
+  shards = math.prod(ex.mesh.shape[a] for a in ex.plan.sharding.opt_order)
   want = reference_radius(ex.model, opt, init, batches, layout=ex.layout, replicas=replicas, shards=shards,
                           radius=RADIUS)
   return request.param, ex, state, got, want
@@ -134,7 +134,7 @@ def test_matches_the_reference_algorithm(against_reference):
       for m, rm, lay, k in zip(masks, ref_masks, ex.layout.leaves, ex.stateful["radius"].k):
         np.testing.assert_array_equal(m, rm, err_msg=f"{name} step {t}")
   # k = ⌈d·c⌉ per shard of c elements, per layer: the selection holds exactly that many
-  shards = math.prod(ex.mesh.shape[a] for a in ex.plan.opt_order)
+  shards = math.prod(ex.mesh.shape[a] for a in ex.plan.sharding.opt_order)
   for m, lay, k in zip(got[-1][3], ex.layout.leaves, ex.stateful["radius"].k):
     assert k == math.ceil(RADIUS.density * lay.padded // shards - 1e-9) or k == math.ceil(RADIUS.density * lay.padded / shards)
     assert (m.reshape(*m.shape[:-1], shards, -1).sum(-1) == k).all()
@@ -409,8 +409,8 @@ def test_gin():
     plan = configured()
   finally:
     gin.clear_config()
-  assert plan.replica_sync == plans.Radius(density=0.1, period=50, dense_steps=0)
-  assert plan.param_axes == ("gpu",)
+  assert plan.sync.replica_sync == plans.Radius(density=0.1, period=50, dense_steps=0)
+  assert plan.sharding.param_axes == ("gpu",)
 
 
 @pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""16-bit gradient reduction (`Plan.reduce_via`): 16 bits on the wire on every backend, fp32 sums.
+"""16-bit gradient reduction (`Reduction.reduce_via`): 16 bits on the wire on every backend, fp32 sums.
 
 DeepSpeed's ZeRO-3 (and ZeRO++'s baseline) reduces gradients in 16 bits; XLA:CPU widens a bf16
 reduce-scatter to fp32 in the compiled program, so the executor moves the raw 16-bit words by qgZ's
@@ -98,6 +98,6 @@ def test_reduce_via_refuses_bad_values():
     plans.zero3(reduce_via="ring")
   with pytest.raises(ValueError, match="qgZ"):
     plans.zeropp(reduce_via="all_to_all")
-  assert plans.zero3(reduce_dtype="float16").gradient_all_to_all
-  assert not plans.zero3().gradient_all_to_all
-  assert jnp.dtype(plans.zero3(reduce_dtype="bfloat16").reduce_dtype).itemsize == 2
+  assert plans.zero3(reduce_dtype="float16").reduction.gradient_all_to_all
+  assert not plans.zero3().reduction.gradient_all_to_all
+  assert jnp.dtype(plans.zero3(reduce_dtype="bfloat16").reduction.reduce_dtype).itemsize == 2

@@ -1,4 +1,4 @@
-"""Remat per plan (`Plan.remat`): "full", "dots" and "none" give jax.grad's gradients; "none" recomputes
+"""Remat per plan (`Schedule.remat`): "full", "dots" and "none" give jax.grad's gradients; "none" recomputes
 no forward matmul and holds more temporary memory; no mode keeps weights between forward and backward."""
 import re
 

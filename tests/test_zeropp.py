@@ -164,7 +164,7 @@ def test_hpz_secondary_groups_smaller_or_larger_than_a_node(group):
   exh, sh, _, lh = run(plan, zerojax.make_mesh(2, 4), opt)
   np.testing.assert_allclose(lh, l3, rtol=1e-6)
   assert helpers.max_rel_diff(exh.logical_params(sh), ex3.logical_params(s3)) < 1e-6
-  assert exh.plan.param_axes == tuple(exh.mesh.axis_names)
+  assert exh.plan.sharding.param_axes == tuple(exh.mesh.axis_names)
   batch = jax.device_put(helpers.batches(1, 2)[0], exh.batch_sharding)
   hlo = exh.step_fn().lower(sh, batch).compile().as_text()
   gathers = [c for c in analysis.collectives_from_hlo(hlo, exh.mesh) if c.op == "all-gather"]

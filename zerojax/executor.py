@@ -40,13 +40,13 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import comm, fidelity, gpu_aot, layout as layout_lib, logical as logical_lib
+from zerojax import components as components_lib, fidelity, gpu_aot, layout as layout_lib, logical as logical_lib
 from zerojax import mesh as mesh_lib
-from zerojax.mesh import axis_sizes, group_size
+from zerojax.mesh import axis_sizes
 from zerojax.model import Model, identity, call_loss  # noqa: F401  (re-exported)
 from zerojax.plan import Plan
 from zerojax.stateful import keep
-from zerojax.train_state import TrainState, components
+from zerojax.train_state import TrainState, stateful_components
 from zerojax.unit import ShardedUnit, UnitMeta
 
 
@@ -95,14 +95,16 @@ class Executor:
     self.to_user, self.from_user = model.to_user or identity, model.from_user or identity
     self.user_optimizer = optimizer
     self.optimizer = logical_lib.logical_optimizer(optimizer, self.layout, self.to_user, self.from_user)
-    self.param_specs = layout_lib.specs(self.layout, plan.opt_order)
+    self.param_specs = layout_lib.specs(self.layout, plan.sharding.opt_order)
+    self.components = c = components_lib.compile(plan, mesh)  # what runs the plan; nothing below reads it
     sizes = tuple(axis_sizes(mesh).items())
     self._metas = {}
     tree = self.layout.tree()
     for u in tree:
       leaves, treedef = jax.tree.flatten(tree[u], is_leaf=layout_lib.is_layout)
-      self._metas[u] = UnitMeta(plan, sizes, treedef, tuple(leaves), scanned=u in model.scanned)
-    self.stateful = components(plan, mesh, self.layout, self._metas)  # {TrainState field: component}
+      self._metas[u] = UnitMeta(c.gather, c.reduction, c.remat, c.prefetch, sizes, treedef, tuple(leaves),
+                                scanned=u in model.scanned)
+    self.stateful = stateful_components(plan, mesh, self.layout, self._metas)  # {TrainState field: component}
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
     self._checked = False
@@ -113,8 +115,8 @@ class Executor:
     state_shapes = state_shapes or jax.eval_shape(self.init_from_flat, self.flat_shapes())
     params = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs)
     rep = NamedSharding(self.mesh, P())
-    by_ndim = {1: NamedSharding(self.mesh, P(self.plan.opt_order or None)),
-               2: NamedSharding(self.mesh, P(None, self.plan.opt_order or None))}
+    opt_order = self.plan.sharding.opt_order or None
+    by_ndim = {1: NamedSharding(self.mesh, P(opt_order)), 2: NamedSharding(self.mesh, P(None, opt_order))}
     opt = jax.tree.map(lambda x: rep if x.ndim == 0 else by_ndim[x.ndim], state_shapes.opt_state)
     return TrainState(step=rep, params=params, opt_state=opt, skipped=rep,
                       rng=jax.tree.map(lambda _: rep, state_shapes.rng),
@@ -161,7 +163,7 @@ class Executor:
     optimizer; `mutable` is the model's mutable collections (default: `Model.init_state`'s)."""
     if self.model.from_user is not None and not _same_structure(params, self.layout.tree()):
       params = self.from_user(params)
-    flat = layout_lib.to_flat(params, self.layout, self.mesh, self.plan.opt_order)
+    flat = layout_lib.to_flat(params, self.layout, self.mesh, self.plan.sharding.opt_order)
     return self._init_state(flat, jax.random.key(0), mutable)
 
   def _init_state(self, flat, rng, mutable=None) -> TrainState:
@@ -192,31 +194,21 @@ class Executor:
     return self.to_user(self.layout.tree())
 
   # -- the step --------------------------------------------------------------------------------------
-  def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), qgz: dict | None = None) -> dict:
+  def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None) -> dict:
     metas = {u: dataclasses.replace(m, sync_axes=sync_axes) for u, m in self._metas.items()}
-    qgz = qgz or {}
+    state = state or {}
     return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), metas[u],
-                           qgz.get(u, (None, None))) for u in p_shards}
-
-  def _param_shards(self, master):
-    """Step 0: master shard over A_os -> parameter shard over A_p, in the param dtype."""
-    to_p = self.plan.opt_order[len(self.plan.param_axes):]
-    cast = lambda m: m.astype(self.plan.param_dtype)
-    if not to_p:
-      return jax.tree.map(cast, master)
-    return jax.tree.map(lambda m: comm.all_gather_raw(cast(m), to_p, axis=m.ndim - 1, tiled=True),
-                        master)
+                           state.get(u, (None, None))) for u in p_shards}
 
   def _local_grads(self, master, batch, step=None, rng=None, mutable=None, local=None, phase="dense"):
     """shard_map body: master shard (over A_os), local batch, the step, the run's rng, the mutable
     collections and `{name: what each stateful component's body_in passes}` -> reduced gradient shard,
     mean loss, mean aux, device-averaged mutable collections, `{name: the component's output}`."""
-    plan, model, local = self.plan, self.model, local or {}
+    model, local, parts = self.model, local or {}, self.components
     carried = {n: local[n] for n, c in self.stateful.items() if c.in_backward}  # through the backward
     syncer = next((c for c in self.stateful.values() if phase in c.phases), None)  # replaces the all-reduce
-    p_shards, k_g = self._param_shards(master), group_size(self.mesh, plan.grad_axes)
-    zeros_g = jax.tree.map(lambda l: jnp.zeros(l.flat_shape(k_g), plan.reduce_dtype), self.layout.tree(),
-                           is_leaf=layout_lib.is_layout)
+    p_shards = parts.gather.from_master(master)  # step 0
+    zeros_g = parts.reduction.sinks(self.layout.tree())
     rank = lax.axis_index(self.data_axes)  # node-major, as the batch is sharded
     key = lambda i: None if rng is None else jax.random.fold_in(
         jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), step), i), rank)
@@ -227,14 +219,14 @@ class Executor:
       logical_lib.check_units_own_params(jaxpr.jaxpr, jaxpr.jaxpr.invars)
       self._checked = True
 
-    qgz = lambda e, i: fidelity.unit_states(plan, self._metas, e, step, i, rank)
+    state = lambda e, i: fidelity.unit_states(parts.reduction, self._metas, e, step, i, rank)
 
     def micro(carry, xs):
       acc, mut, err = carry
       mb, i = xs
       units = {}
       def f(s, e):
-        u = units.setdefault("u", self._units(p_shards, s, qgz=qgz(e, i)))
+        u = units.setdefault("u", self._units(p_shards, s, state=state(e, i)))
         loss, aux, new = call_loss(model, u, mb, key(i), mut)
         return loss, (aux, new)
       (loss, (aux, mut)), (g, err) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(zeros_g, err)
@@ -243,10 +235,8 @@ class Executor:
           self._check_single_calls(units["u"], c.setting)
       return (jax.tree.map(jnp.add, acc, g), mut, err), (loss, aux)
 
-    to_os = plan.opt_order[len(plan.grad_order):]
-    replicas = plan.replica_axes(self.mesh)
-    index = jnp.arange(self.accum_steps)
-    if plan.sync_in_backward and replicas and not to_os and syncer is None:
+    index, sync = jnp.arange(self.accum_steps), parts.sync
+    if sync.in_backward and syncer is None:
       # MiCS §3.4 with the boundary all-reduce overlapped: the window's last micro-step all-reduces each
       # unit's gradient (plus what the window accumulated) inside its backward, so layer i's all-reduce
       # runs while layer i-1's backward computes. The sums are the same as after the window.
@@ -255,7 +245,7 @@ class Executor:
       last_mb, units = jax.tree.map(lambda x: x[-1], batch), {}
 
       def last(s, e):
-        u = units.setdefault("u", self._units(p_shards, s, replicas, qgz(e, self.accum_steps - 1)))
+        u = units.setdefault("u", self._units(p_shards, s, sync.replicas, state(e, self.accum_steps - 1)))
         loss, aux_l, new = call_loss(model, u, last_mb, key(self.accum_steps - 1), mutable)
         return loss, (aux_l, new)
       (loss_l, (aux_l, mutable)), (acc, carried) = jax.value_and_grad(last, (0, 1), has_aux=True)(acc, carried)
@@ -264,10 +254,7 @@ class Executor:
       aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux, aux_l)
     else:
       (acc, mutable, carried), (losses, aux) = lax.scan(micro, (zeros_g, mutable, carried), (batch, index))
-      if to_os:
-        acc = jax.tree.map(lambda g: lax.psum_scatter(g, to_os, scatter_dimension=g.ndim - 1, tiled=True), acc)
-      if replicas and syncer is None:
-        acc = jax.tree.map(lambda g: lax.psum(g, replicas), acc)
+      acc = sync(acc, all_reduce=syncer is None)
     loss = lax.pmean(jnp.mean(losses), self.data_axes)
     aux = jax.tree.map(lambda a: lax.pmean(jnp.mean(_inexact(a), axis=0), self.data_axes), aux)
     mutable = jax.tree.map(lambda m: lax.pmean(m, self.data_axes) if _is_inexact(m) else m, mutable)
@@ -276,7 +263,7 @@ class Executor:
     out = {n: carried.get(n) for n in self.stateful}
     if syncer is None:
       return jax.tree.map(lambda g: g / denom, acc), loss, aux, mutable, out
-    grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], replicas, denom, phase)
+    grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], sync.replicas, denom, phase)
     return grads, loss, aux, mutable, out
 
   def phase(self, state: TrainState) -> str:
@@ -392,7 +379,7 @@ class Executor:
     """Jitted `(params, batch[global_batch, ...], mutable=None)` -> mean loss (and aux with
     `Model.has_aux`), forward only; the loss gets rng None and the mutable collections read-only."""
     def local(master, batch, mutable):
-      shards = self._param_shards(master)
+      shards = self.components.gather.from_master(master)
       loss, aux, _ = call_loss(self.model, self._units(shards, shards), batch, None, mutable)
       loss = lax.pmean(loss, self.data_axes)
       if not self.model.has_aux:

@@ -1,13 +1,13 @@
 """qgZ's per-device state for the fidelity options of a plan: error feedback buffers and rounding seeds.
 
-`Plan.grad_error_feedback` keeps, per unit and device, what qgZ's two quantizations dropped at the last
+`Reduction.grad_error_feedback` keeps, per unit and device, what qgZ's two quantizations dropped at the last
 micro-step (LoCo §3): `e_send`, one fp32 copy of the unit's local gradient buffer (all its leaves packed,
 in qgZ's node-major order), and `e_node`, 1/G of it (the node-local sums this device requantizes for
 the inter-node hop). In the train state each is a global array `[devices, (layers,) n]`, one row per
 device, sharded over all mesh axes (`ErrorFeedback`, a `zerojax.stateful` component); it is checkpointed
 as held (the same mesh and plan resume bitwise, any other starts the errors from zero).
 
-`Plan.stochastic_rounding` draws its noise from a key folded from the step, the micro-step, the
+`Reduction.stochastic_rounding` draws its noise from a key folded from the step, the micro-step, the
 device's rank, the unit and (for scanned units) the layer: runs are reproducible and no two devices,
 units or layers share noise.
 
@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax import mesh as mesh_lib
-from zerojax.plan import Plan
+from zerojax.components import GradReduction
 from zerojax.stateful import Stateful, Stored, keep
 
 SEED = 0x5D4B  # the base key of stochastic rounding (the same in every run: the step makes it vary)
@@ -52,9 +52,9 @@ class ErrorFeedback(Stateful):
 
   @classmethod
   def of(cls, plan, mesh, layout, metas):
-    if not plan.grad_error_feedback:
+    if not plan.reduction.grad_error_feedback:
       return None
-    gpus = math.prod(mesh.shape[a] for a in plan.grad_order if not mesh_lib.is_node_axis(a))
+    gpus = math.prod(mesh.shape[a] for a in plan.sharding.grad_order if not mesh_lib.is_node_axis(a))
     shapes = {}
     for u, meta in metas.items():
       n = sum(l.padded for l in meta.leaves)
@@ -96,13 +96,13 @@ class ErrorFeedback(Stateful):
             for x in jax.tree.leaves(self.shapes)]
 
 
-def unit_states(plan: Plan, metas: dict, carried: dict, step, micro, rank) -> dict:
-  """Inside the shard_map: `{unit: (error, seed)}` for `ShardedUnit.qgz`; the errors are the local rows
+def unit_states(reduction: GradReduction, metas: dict, carried: dict, step, micro, rank) -> dict:
+  """Inside the shard_map: `{unit: (error, seed)}` for `ShardedUnit.state`; the errors are the local rows
   of `ErrorFeedback`'s state in `carried` (the state of the components updated in the backward)."""
   errors, out = carried.get(ErrorFeedback.name), {}
   for j, (u, meta) in enumerate(sorted(metas.items())):
     seed = None
-    if plan.stochastic_rounding:
+    if reduction.stochastic_rounding:
       key = jax.random.key(SEED)
       for x in (step, micro, rank, j):
         key = jax.random.fold_in(key, x)

@@ -27,21 +27,22 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
     `{"expected": {...}, "measured": {...}}` in bytes per device; `measured` only with `state`.
   """
   s = lambda axes: group_size(ex.mesh, axes)
-  plan = ex.plan
+  plan, sharding = ex.plan, ex.plan.sharding
+  param_dtype = plan.gather.param_dtype
   numel = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves)
   opt_shapes = jax.eval_shape(ex.optimizer.init, ex.flat_shapes())
   opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_shapes) if x.ndim)
   expected = {
-      "params": layout_lib.bytes_of(ex.layout, plan.param_dtype) // s(plan.param_axes),
-      "grads": numel * np.dtype(plan.reduce_dtype).itemsize // s(plan.grad_axes),
-      "master": numel * 4 // s(plan.opt_axes),
-      "optimizer": opt_bytes // s(plan.opt_axes),
-      "param_shard_degree": s(plan.param_axes), "grad_shard_degree": s(plan.grad_axes),
-      "opt_shard_degree": s(plan.opt_axes), "numel_padded": numel,
+      "params": layout_lib.bytes_of(ex.layout, param_dtype) // s(sharding.param_axes),
+      "grads": numel * np.dtype(plan.reduction.reduce_dtype).itemsize // s(sharding.grad_axes),
+      "master": numel * 4 // s(sharding.opt_axes),
+      "optimizer": opt_bytes // s(sharding.opt_axes),
+      "param_shard_degree": s(sharding.param_axes), "grad_shard_degree": s(sharding.grad_axes),
+      "opt_shard_degree": s(sharding.opt_axes), "numel_padded": numel,
   }
   # hpZ (ZeRO++ §3.2) keeps every unit's secondary shard from its forward to its backward.
-  expected["hpz_secondary"] = (layout_lib.bytes_of(ex.layout, plan.param_dtype) // s(plan.secondary_axes)
-                               if plan.secondary_axes else 0)
+  expected["hpz_secondary"] = (layout_lib.bytes_of(ex.layout, param_dtype) // s(plan.gather.secondary_axes)
+                               if plan.gather.secondary_axes else 0)
   # State across steps: each kind of stateful component under its name (0 when the plan does not use it).
   for kind in STATEFUL:
     c = ex.stateful.get(kind.name)

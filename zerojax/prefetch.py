@@ -1,16 +1,16 @@
 """Prefetch inside the layer scan: the next layer's gather and the previous layer's gradient reduction
-run beside the current layer's compute (`Plan.prefetch`).
+run beside the current layer's compute (`Schedule.prefetch`).
 
 `scan_layers(f, params, x)` runs `x = f(params[i], x)` over the layers of a scanned unit. With plain
 params it is `lax.scan`; with a `ShardedUnit` and `prefetch=False` each layer is a `zerojax.unit` call
 (it gathers when it runs). With `prefetch=True` the whole stack is one call of the unit's engine
 (`zerojax.unit.sharded_call`) under the schedule `PREFETCH`, which orders the same components
-(`gather_flats`, `call_forward`, `regather`, `call_backward`, `reduce_and_sync`) across layers:
+(`ParamGather.forward`, `call_forward`, `ParamGather.backward`, `call_backward`, `reduce_and_sync`) across layers:
 
 - forward: layer 0 is gathered before the loop; iteration i gathers layer i+1 into the loop carry while
   layer i computes on the carried weights, so the gather has no data dependence on layer i's compute and
   at most two gathered layers are alive. Residuals as in `zerojax.unit`, per layer: the primary shard
-  (hpZ: the secondary shard of the gathered weights) and what `Plan.remat` keeps (the layer's input, or
+  (hpZ: the secondary shard of the gathered weights) and what `Schedule.remat` keeps (the layer's input, or
   its activations), never the gathered weights.
 - backward: layer L-1 is gathered before the loop; iteration i gathers layer i-1 ahead (hpZ: inside the
   node), reduces layer i+1's gradient (carried unreduced from the previous iteration; qgZ: both hops,
@@ -34,9 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerojax.unit import (Schedule, ShardedUnit, UnitMeta, call_backward, call_forward, check_collectives,
-                          gather_flats, ordered_after, reduce_and_sync, regather, secondary_shards,
-                          shard_cotangents, sharded_call, unit)
+from zerojax.unit import (CallOrder, ShardedUnit, UnitMeta, call_backward, call_forward, check_collectives,
+                          ordered_after, reduce_and_sync, shard_cotangents, sharded_call, unit)
 
 
 def scan_layers(f: Callable, params: Any, x: Any) -> Any:
@@ -48,13 +47,13 @@ def scan_layers(f: Callable, params: Any, x: Any) -> Any:
     x: the input of layer 0.
 
   Returns:
-    The output of layer L-1. Inside the executor with `Plan.prefetch` the layers are prefetched (see
+    The output of layer L-1. Inside the executor with `Schedule.prefetch` the layers are prefetched (see
     the module docstring); otherwise each layer is a `zerojax.unit(f)` call.
   """
   if not isinstance(params, ShardedUnit):
     return lax.scan(lambda c, p: (f(p, c), None), x, params)[0]
   meta = params.meta
-  if not meta.plan.prefetch:
+  if not meta.prefetch:
     layer = unit(f)
     return lax.scan(lambda c, p: (layer(p, c), None), x, params)[0]
   if not meta.scanned:
@@ -62,7 +61,7 @@ def scan_layers(f: Callable, params: Any, x: Any) -> Any:
                      f"{getattr(f, '__qualname__', f)}; call it as zerojax.unit(f)(params, x)")
   meta.calls.append(f)
   check_collectives(f, meta, [x])
-  return sharded_call(PREFETCH, f, meta, params.shards, params.sinks, params.qgz, x)
+  return sharded_call(PREFETCH, f, meta, params.shards, params.sinks, params.state, x)
 
 
 def _at(tree, i):
@@ -74,46 +73,47 @@ def _forward(f, meta: UnitMeta, shards: list, args: tuple, differentiated: bool)
   """The forward over the layers; residual: each layer's kept shard `[L, ...]` and `call_forward`'s
   saved values, stacked for layers 0 .. L-2 and separate for layer L-1."""
   (x,) = args
-  hpz = bool(meta.plan.secondary_axes)
-  w = gather_flats(meta, ordered_after(_at(shards, 0), x))  # not before the stack's input exists
+  gather = meta.gather
+  hpz = bool(gather.secondary)
+  w = gather.forward(ordered_after(_at(shards, 0), x))  # not before the stack's input exists
 
   def body(carry, next_shards):
     x, w = carry
-    w_next = gather_flats(meta, next_shards)  # layer i+1, beside layer i's compute
-    kept = secondary_shards(meta, w) if hpz else ()
+    w_next = gather.forward(next_shards)  # layer i+1, beside layer i's compute
+    kept = gather.secondary_shards(w) if hpz else ()
     x, saved = call_forward(f, meta, w, (x,), differentiated)
     return (x, w_next), (kept, saved)
 
   (x, w), (kept, saved) = lax.scan(body, (x, w), _at(shards, slice(1, None)))
   out, last = call_forward(f, meta, w, (x,), differentiated)
   if hpz:
-    kept = [jnp.concatenate([k, s[None]]) for k, s in zip(kept, secondary_shards(meta, w))]
+    kept = [jnp.concatenate([k, s[None]]) for k, s in zip(kept, gather.secondary_shards(w))]
   return out, ((kept if hpz else shards), saved, last)
 
 
-def _backward(f, meta: UnitMeta, residual, window, qgz, g):
+def _backward(f, meta: UnitMeta, residual, window, state, g):
   """The backward over the layers, each layer's gradient reduced while the next layer's VJP runs."""
   kept, saved, last = residual
   n = kept[0].shape[0]
-  layer = lambda dp, i: reduce_and_sync(meta, dp, _at(window, i), _at(qgz, i))  # (chunks, new errors)
+  layer = lambda dp, i: reduce_and_sync(meta, dp, _at(window, i), _at(state, i))  # (chunks, new errors)
   # The first gathers wait for the cotangent: not merged with the forward's, nor hoisted.
-  w = regather(meta, ordered_after(_at(kept, n - 1), g))
+  w = meta.gather.backward(ordered_after(_at(kept, n - 1), g))
   if n > 1:
-    w_prev = regather(meta, ordered_after(_at(kept, n - 2), g))
+    w_prev = meta.gather.backward(ordered_after(_at(kept, n - 2), g))
   dp, (g,) = call_backward(f, meta, w, last, g)
   if n == 1:
     reduced = _at(layer(dp, 0), None)
   else:
     def body(carry, xs):  # layer i = n-2 .. 1
       g, w, dp_next = carry
-      k_prev, saved_i, win_next, qgz_next = xs
-      w_prev = regather(meta, k_prev)                                     # layer i-1, ahead
-      reduced_next = reduce_and_sync(meta, dp_next, win_next, qgz_next)  # layer i+1's gradient
+      k_prev, saved_i, win_next, state_next = xs
+      w_prev = meta.gather.backward(k_prev)                               # layer i-1, ahead
+      reduced_next = reduce_and_sync(meta, dp_next, win_next, state_next)  # layer i+1's gradient
       dp, (g,) = call_backward(f, meta, w, saved_i, g)                    # layer i
       return (g, w_prev, dp), reduced_next
 
     rest = (_at(kept, slice(0, n - 2)), _at(saved, slice(1, n - 1)), _at(window, slice(2, None)),
-            _at(qgz, slice(2, None)))
+            _at(state, slice(2, None)))
     (g, w, dp1), top = lax.scan(body, (g, w_prev, dp), rest, reverse=True)
     one = layer(dp1, 1)
     dp0, (g,) = call_backward(f, meta, w, _at(saved, 0), g)
@@ -122,4 +122,4 @@ def _backward(f, meta: UnitMeta, residual, window, qgz, g):
   return shard_cotangents(meta, n), dsinks, error, [g]
 
 
-PREFETCH = Schedule(_forward, _backward)
+PREFETCH = CallOrder(_forward, _backward)

@@ -1,6 +1,6 @@
 """Radius's sparse replica sync as a stateful component (`zerojax.stateful`).
 
-With `plan.replica_sync = radius(...)` the all-reduce over the replica axes is Radius's (Algorithm 1):
+With `replica_sync=radius(...)` (`ReplicaSync`) the all-reduce over the replica axes is Radius's (Algorithm 1):
 each step runs one of three compiled programs, picked on the host from the step and the last selection
 (`phase`): "dense" (the warm-up, the plan's own step), "select" (dense all-reduce of gradient +
 residual, then top-k of the optimizer's update per shard) or "sparse" (all-reduce of the k selected
@@ -72,11 +72,12 @@ class RadiusSync(Stateful):
 
   @classmethod
   def of(cls, plan, mesh, layout, metas):
-    if plan.replica_sync is None:
+    radius, sharding = plan.sync.replica_sync, plan.sharding
+    if radius is None:
       return None
-    shards = group_size(mesh, plan.opt_order)
-    k = tuple(plan.replica_sync.shard_k(l.padded // shards) for l in layout.leaves)
-    return cls(plan.replica_sync, mesh, layout, plan.opt_order, plan.replica_axes(mesh), k)
+    shards = group_size(mesh, sharding.opt_order)
+    k = tuple(radius.shard_k(l.padded // shards) for l in layout.leaves)
+    return cls(radius, mesh, layout, sharding.opt_order, sharding.replica_axes(mesh), k)
 
   @classmethod
   def refuse_restore(cls, where, key):

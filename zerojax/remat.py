@@ -1,4 +1,4 @@
-"""Remat per plan (`Plan.remat`): what a ZeRO unit keeps from its forward for its backward.
+"""Remat per plan (`Schedule.remat`): what a ZeRO unit keeps from its forward for its backward.
 
 "full" keeps only the unit's inputs and recomputes the whole forward in backward (the unit's
 `custom_vjp` does that itself). "dots" and "none" run the forward under `jax.vjp` of a `jax.checkpoint`

@@ -5,7 +5,7 @@ that owns its state; here a component of a plan that must remember something fro
 (what a quantization dropped; a replica's unsent gradient and its selection) is a `Stateful`: it says how its state is created (`init`), sharded (`specs`),
 used and updated by the step (`body_in`, `sync`, `update`), checkpointed (`stored`) and counted
 (`memory_bytes`). The executor, the checkpoint spec (`zerojax.train.state_spec`) and the memory report
-(`zerojax.memory`) iterate over the plan's components (`zerojax.train_state.components`) and never name
+(`zerojax.memory`) iterate over the plan's components (`zerojax.train_state.stateful_components`) and never name
 one. Its state lives in the `TrainState` field of the component's `name`.
 
 A step runs one compiled program per *phase*: "dense" (no component changes the replica sync) or one a

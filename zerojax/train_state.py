@@ -2,7 +2,7 @@
 
 docs/DESIGN.md, "State across steps". `STATEFUL` lists the kinds of component that carry state across
 steps; each owns the `TrainState` field of its `name` (None when the plan does not use it), and
-`components` gives the ones a plan uses. The executor, the checkpoint spec and the memory report
+`stateful_components` gives the ones a plan uses. The executor, the checkpoint spec and the memory report
 iterate over those.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ class TrainState:
   grad_error: Any = None  # `ErrorFeedback`: {unit: (e_send, e_node)} (`zerojax.fidelity`)
 
 
-def components(plan, mesh, layout, metas) -> dict:
+def stateful_components(plan, mesh, layout, metas) -> dict:
   """`{name: component}` of the stateful components a resolved `plan` uses, in `STATEFUL`'s order."""
   out = {}
   for kind in STATEFUL:

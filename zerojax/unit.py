@@ -4,18 +4,20 @@ docs/DESIGN.md, "The ZeRO unit". Model code calls `unit(f)(params, *args)`. With
 is just `f(params, *args)`, so the same model code gives the single-device reference. Inside the
 executor's `shard_map` the params are a `ShardedUnit`, and the call becomes a `jax.custom_vjp`:
 
-- forward: all-gather the unit's parameters over the plan's param axes A_p (qwZ: int8/int4 values and
+- forward: all-gather the unit's parameters over A_p (qwZ: int8/int4 values and
   block scales, dequantized on arrival), run `f`; keep as residual only the local shard (hpZ: the
   secondary shard) and the inputs, never the gathered weights;
 - backward: re-gather (hpZ: over the secondary axes only, inside the node), recompute `f`'s VJP (or,
-  with `Plan.remat` "dots"/"none", reuse the activations the forward saved: `zerojax.remat`), reduce
+  with `Schedule.remat` "dots"/"none", reuse the activations the forward saved: `zerojax.remat`), reduce
   the full local gradient over the gradient axes A_g (qgZ: 2-hop quantized all-to-all)
   and return it as the cotangent of the unit's *gradient sink*, a zero placeholder shaped like the G
   shard. The executor differentiates with respect to the sinks, so A_g may shard more finely than A_p
   (ZeRO-2, AMSP) while the gradient is still reduced layer by layer inside the backward pass.
 
-That `custom_vjp`, `sharded_call`, is the one engine of every unit: a `Schedule` orders the components
-above (gather, `call_forward`, re-gather, `call_backward`, `reduce_and_sync`); `ONE_CALL` runs one call,
+The collectives are the plan's components (`zerojax.components`: `ParamGather`, `GradReduction`), bound
+to the unit's leaves in its `UnitMeta`; the unit never reads the plan. That `custom_vjp`,
+`sharded_call`, is the one engine of every unit: a `CallOrder` orders the components above (gather,
+`call_forward`, re-gather, `call_backward`, `reduce_and_sync`); `ONE_CALL` runs one call,
 `zerojax.prefetch.PREFETCH` a scanned unit's layers with the next layer's gather in flight.
 
 References:
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -33,28 +34,35 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zerojax import comm, remat
-from zerojax.layout import LeafLayout, pad_flat, unflatten_leaf
-from zerojax.mesh import owner_index
-from zerojax.plan import Plan
+from zerojax import remat
+from zerojax.layout import LeafLayout
+from zerojax.components import GradReduction, ParamGather
 
 
 @dataclasses.dataclass(frozen=True)
 class UnitMeta:
-  """Static description of one unit inside the executor's shard_map (hashable)."""
-  plan: Plan
+  """Static description of one unit inside the executor's shard_map (hashable): the plan's components
+  (`zerojax.components`) bound to the unit's leaves.
+
+  Attributes:
+    gather, reduction: the unit's `ParamGather` and `GradReduction`.
+    remat: the remat mode (`Schedule.remat` resolved); `prefetch` whether `scan_layers` prefetches.
+    axis_sizes: the mesh's `(axis, size)` pairs.
+    treedef, leaves: the unit's parameter tree and its leaves' layouts.
+    sync_axes: MiCS §3.4 overlapped: in the last micro-step of a window, the backward also all-reduces
+      the reduced gradient plus the window's accumulation (the sink's value) over these replica axes.
+    scanned: leaves lead with a layer axis (a scanned unit).
+  """
+  gather: ParamGather
+  reduction: GradReduction
+  remat: str
+  prefetch: bool
   axis_sizes: tuple[tuple[str, int], ...]
   treedef: Any
   leaves: tuple[LeafLayout, ...]
-  # MiCS §3.4 overlapped: in the last micro-step of a window, the backward also all-reduces the reduced
-  # gradient plus the window's accumulation (the sink's value) over these replica axes.
   sync_axes: tuple[str, ...] = ()
-  scanned: bool = False  # leaves lead with a layer axis (a scanned unit)
+  scanned: bool = False
   calls: list = dataclasses.field(default_factory=list, init=False, compare=False, hash=False, repr=False)
-
-  def size(self, axes: tuple[str, ...]) -> int:
-    sizes = dict(self.axis_sizes)
-    return math.prod(sizes[a] for a in axes)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -66,89 +74,34 @@ class ShardedUnit:
     shards: list of local parameter shards `[padded / |A_p|]` (param dtype), one per leaf.
     sinks: list of zero gradient sinks `[padded / |A_g|]` (reduce dtype), one per leaf.
     meta: static `UnitMeta`.
-    qgz: qgZ's per-call state, `(error, seed)`: error feedback's `(e_send, e_node)` buffers (the
-      backward returns the new ones as their cotangent) and the uint32 key data of stochastic rounding;
-      either None when the plan does not use it.
+    state: the gradient reduction's per-call state, `(error, seed)`: error feedback's `(e_send, e_node)`
+      buffers (the backward returns the new ones as their cotangent) and the uint32 key data of
+      stochastic rounding; either None when the plan does not use it.
   For a scanned unit every array has a leading layer axis; `lax.scan` over a `ShardedUnit` slices it.
   """
   shards: list
   sinks: list
   meta: UnitMeta
-  qgz: tuple = (None, None)
+  state: tuple = (None, None)
 
   def tree_flatten(self):
-    return (self.shards, self.sinks, self.qgz), self.meta
+    return (self.shards, self.sinks, self.state), self.meta
 
   @classmethod
   def tree_unflatten(cls, meta, children):
-    shards, sinks, qgz = children
-    return cls(shards, sinks, meta, qgz)
-
-
-def gather_flats(meta: UnitMeta, shards: list, backward: bool = False) -> list:
-  """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ)."""
-  plan = meta.plan
-  bits = plan.weight_bits if (not backward or plan.quantize_backward_gather) else None
-  return comm.all_gather_unit(shards, plan.param_axes, bits=bits, block=plan.weight_block,
-                              backend=plan.kernel_backend, hierarchical=plan.hierarchical,
-                              rotate=plan.rotate and bits is not None)
+    shards, sinks, state = children
+    return cls(shards, sinks, meta, state)
 
 
 def params_tree(meta: UnitMeta, flats: list) -> Any:
-  dtype = meta.plan.compute_dtype or meta.plan.param_dtype
-  return jax.tree.unflatten(meta.treedef, [unflatten_leaf(f, l).astype(dtype)
-                                           for f, l in zip(flats, meta.leaves)])
+  return meta.gather.params(meta.treedef, meta.leaves, flats)
 
 
-def secondary_shards(meta: UnitMeta, flats: list) -> list:
-  """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""
-  axes = meta.plan.secondary_axes
-  k, idx = meta.size(axes), owner_index(axes)
-  return [lax.dynamic_index_in_dim(f.reshape(k, -1), idx, keepdims=False) for f in flats]
-
-
-def reduce_grads(meta: UnitMeta, grads: Any, qgz: tuple = (None, None)):
-  """The reduced gradient chunks; with error feedback `(chunks, new error)`."""
-  plan = meta.plan
-  dtype = jnp.dtype(plan.reduce_dtype)
-  flats = [pad_flat(g.astype(dtype), l)
-           for g, l in zip(jax.tree.leaves(grads), meta.leaves)]
-  sizes = tuple(dict(meta.axis_sizes)[a] for a in plan.grad_order)
-  error, seed = qgz
-  if (plan.grad_error_feedback and error is None) or (plan.stochastic_rounding and seed is None):
-    raise ValueError(f"plan {plan.name!r}: grad_error_feedback / stochastic_rounding need the unit's qgZ state, "
-                     "which only zerojax's own models pass (not the flax adapters yet); drop them for this model")
-  fidelity = {}
-  if plan.grad_bits:
-    fidelity = {"rotate": plan.rotate, "error": error,
-                "key": None if seed is None else jax.random.wrap_key_data(seed)}
-  return comm.reduce_scatter_unit(flats, plan.grad_order, sizes, bits=plan.grad_bits,
-                                         block=plan.grad_block, stages=plan.qgz_stages,
-                                         backend=plan.kernel_backend, all_to_all=plan.gradient_all_to_all,
-                                         **fidelity)
-
-
-def kept_shards(meta: UnitMeta, shards: list, flats: list) -> list:
-  """What a unit keeps of its weights for the backward: the primary shard, or with hpZ the secondary
-  shard of the (dequantized) gathered weights, so the backward uses exactly the forward's weights."""
-  return secondary_shards(meta, flats) if meta.plan.secondary_axes else shards
-
-
-def regather(meta: UnitMeta, kept: list) -> list:
-  """The backward's gather of the kept shards: over the secondary axes inside the node (hpZ, ZeRO++
-  §3.2), else over A_p like the forward (quantized when `quantize_backward_gather`)."""
-  if meta.plan.secondary_axes:
-    return comm.all_gather_unit(kept, meta.plan.secondary_axes, hierarchical=meta.plan.hierarchical)
-  return gather_flats(meta, kept, backward=True)
-
-
-def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, qgz: tuple = (None, None)):
+def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, state: tuple = (None, None)):
   """`(reduced chunks, new error-feedback state or None)`: the gradient reduced over A_g; with `window`
   (the accumulated sinks of the window's last micro-step) also all-reduced over the replica axes, the
   sync of MiCS §3.4 overlapped with the rest of the backward."""
-  dsinks, error = reduce_grads(meta, dparams, qgz), None
-  if qgz[0] is not None:  # error feedback: the new errors travel out as the cotangent of the old ones
-    dsinks, error = dsinks
+  dsinks, error = meta.reduction(dparams, meta.leaves, state)
   if window is not None:
     dsinks = [lax.psum(d + w, meta.sync_axes) for d, w in zip(dsinks, window)]
   return dsinks, error
@@ -156,16 +109,14 @@ def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, qgz: tupl
 
 def shard_cotangents(meta: UnitMeta, layers: int | None = None) -> list:
   """Zero cotangents of the parameter shards: the gradient leaves through the sinks."""
-  k_p = meta.size(meta.plan.param_axes)
-  lead = () if layers is None else (layers,)
-  return [jnp.zeros(lead + (l.padded // k_p,), meta.plan.param_dtype) for l in meta.leaves]
+  return meta.gather.cotangents(meta.leaves, layers)
 
 
 def call_forward(f, meta: UnitMeta, flats: list, args: tuple, differentiated: bool = True):
   """One call of `f` on the gathered weights `flats`: `(out, saved)`, `saved` being what its backward
-  needs under `Plan.remat`: the inputs ("full") or the forward's activations without the weights
+  needs under `Schedule.remat`: the inputs ("full") or the forward's activations without the weights
   (`remat.forward`, "dots" / "none"); None when the call is not differentiated."""
-  mode = meta.plan.remat_mode
+  mode = meta.remat
   if not differentiated or mode == "full":
     return f(params_tree(meta, flats), *args), (args if differentiated else None)
   return remat.forward(f, mode, params_tree(meta, flats), *args)
@@ -198,35 +149,35 @@ def ordered_after(tree, dep):
   return tree
 
 
-class Schedule(NamedTuple):
+class CallOrder(NamedTuple):
   """The order in which `sharded_call` runs a unit's components (gather, `call_forward`, re-gather,
   `call_backward`, `reduce_and_sync`).
 
   forward(f, meta, shards, args, differentiated) -> (out, residual)
-  backward(f, meta, residual, window, qgz, g) -> (shard cotangents, reduced chunks, new errors, dargs)
+  backward(f, meta, residual, window, state, g) -> (shard cotangents, reduced chunks, new errors, dargs)
   """
   forward: Callable
   backward: Callable
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def sharded_call(schedule: Schedule, f, meta, shards, sinks, qgz, *args):
+def sharded_call(schedule: CallOrder, f, meta, shards, sinks, state, *args):
   """The one engine of a unit: `schedule`'s forward and backward as a `jax.custom_vjp` whose
-  differentiated inputs are the shards, the gradient sinks, qgZ's state and `args`. The shards' cotangent
+  differentiated inputs are the shards, the gradient sinks, the reduction's state and `args`. The shards' cotangent
   is zero, the sinks' is the reduced gradient, the error-feedback buffers' the new errors."""
-  del sinks, qgz
+  del sinks, state
   return schedule.forward(f, meta, shards, args, False)[0]
 
 
-def _engine_fwd(schedule, f, meta, shards, sinks, qgz, *args):
+def _engine_fwd(schedule, f, meta, shards, sinks, state, *args):
   out, residual = schedule.forward(f, meta, shards, args, True)
-  return out, (residual, sinks if meta.sync_axes else None, qgz)
+  return out, (residual, sinks if meta.sync_axes else None, state)
 
 
 def _engine_bwd(schedule, f, meta, residuals, g):
-  residual, window, qgz = residuals
-  dshards, dsinks, error, dargs = schedule.backward(f, meta, residual, window, qgz, g)
-  seed = None if qgz[1] is None else np.zeros(qgz[1].shape, jax.dtypes.float0)
+  residual, window, state = residuals
+  dshards, dsinks, error, dargs = schedule.backward(f, meta, residual, window, state, g)
+  seed = None if state[1] is None else np.zeros(state[1].shape, jax.dtypes.float0)
   return (dshards, dsinks, (error, seed), *dargs)
 
 
@@ -238,9 +189,9 @@ def _one_forward(f, meta, shards, args, differentiated):
   primary shard or with hpZ the secondary shard, and `call_forward`'s saved values; never the gathered
   weights."""
   if not differentiated:
-    return call_forward(f, meta, gather_flats(meta, shards), args, False)
-  flats = gather_flats(meta, ordered_after(shards, args))
-  kept = kept_shards(meta, shards, flats)
+    return call_forward(f, meta, meta.gather.forward(shards), args, False)
+  flats = meta.gather.forward(ordered_after(shards, args))
+  kept = meta.gather.keep(shards, flats)
   out, saved = call_forward(f, meta, flats, args)
   return out, (kept, saved, _scalars(out))
 
@@ -253,7 +204,7 @@ def _scalars(out):
   return out if leaves and all(getattr(x, "size", 2) == 1 for x in leaves) else None
 
 
-def _one_backward(f, meta, residual, window, qgz, g):
+def _one_backward(f, meta, residual, window, state, g):
   """The unit's schedule, backward: re-gather once the cotangent exists, VJP, reduce (and sync)."""
   kept, saved, out = residual
   if out is not None:  # on GPUs only; XLA:CPU's program is left as it was
@@ -266,12 +217,12 @@ def _one_backward(f, meta, residual, window, qgz, g):
   # XLA:GPU gather the head's weights at the step's start (merged with the embedding's forward gather).
   # XLA:CPU merges the head's two gathers into one instead; its program is left as it was.
   kept = lax.platform_dependent(kept, saved, cpu=lambda k, a: k, default=ordered_after)
-  dparams, dargs = call_backward(f, meta, regather(meta, kept), saved, g)
-  dsinks, error = reduce_and_sync(meta, dparams, window, qgz)
+  dparams, dargs = call_backward(f, meta, meta.gather.backward(kept), saved, g)
+  dsinks, error = reduce_and_sync(meta, dparams, window, state)
   return shard_cotangents(meta), dsinks, error, dargs
 
 
-ONE_CALL = Schedule(_one_forward, _one_backward)
+ONE_CALL = CallOrder(_one_forward, _one_backward)
 
 
 class _Bound:
@@ -317,7 +268,7 @@ def _collective_axes(jaxpr) -> set:
 
 def check_collectives(f, meta: UnitMeta, arrays) -> None:
   """Raises if `f` calls a collective over an axis of the mesh (zerojax's own) or an unbound one."""
-  dtype = meta.plan.compute_dtype or meta.plan.param_dtype
+  dtype = meta.gather.compute_dtype
   tree = jax.tree.unflatten(meta.treedef, [jax.ShapeDtypeStruct(l.shape, dtype) for l in meta.leaves])
   name = getattr(f.f if isinstance(f, _Bound) else f, "__qualname__", repr(f))
   fix = ("zerojax owns the mesh axes for sharding and averages mutable collections (batch_stats) over the "
@@ -350,8 +301,8 @@ def unit(f: Callable) -> Callable:
   @functools.wraps(f)
   def apply(params, *args, **kwargs):
     if isinstance(params, ShardedUnit):
-      if params.meta.plan.prefetch and params.meta.scanned:
-        raise ValueError(f"Plan.prefetch=True: a scanned unit's layers are called one by one (lax.scan or "
+      if params.meta.prefetch and params.meta.scanned:
+        raise ValueError(f"prefetch=True: a scanned unit's layers are called one by one (lax.scan or "
                          f"flax nn.scan) by {getattr(f, '__qualname__', f)}; run the stack with "
                          "zerojax.scan_layers(f, params, x), or set prefetch=False")
       params.meta.calls.append(f)
@@ -359,6 +310,6 @@ def unit(f: Callable) -> Callable:
       g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))
       arrays = [x for x in leaves if _is_array(x)]
       check_collectives(g, params.meta, arrays)
-      return sharded_call(ONE_CALL, g, params.meta, params.shards, params.sinks, params.qgz, *arrays)
+      return sharded_call(ONE_CALL, g, params.meta, params.shards, params.sinks, params.state, *arrays)
     return f(params, *args, **kwargs)
   return apply

@@ -93,18 +93,18 @@ def main(argv=None) -> None:
     if ex.mesh.size != nodes * gpus:
       raise SystemExit(f"error: the mesh is {dict(ex.mesh.shape)}, not {nodes}x{gpus}; run with exactly "
                        f"{nodes * gpus} devices")
-    if args.phase and ex.plan.replica_sync is None and args.phase != "dense":
+    if args.phase and ex.plan.sync.replica_sync is None and args.phase != "dense":
       raise SystemExit(f"error: --phase {args.phase} needs a plan with replica_sync=@radius()")
-    phase = args.phase or ("sparse" if ex.plan.replica_sync is not None else "dense")
+    phase = args.phase or ("sparse" if ex.plan.sync.replica_sync is not None else "dense")
     text = step_hlo(ex, (ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1), phase=phase)
     if args.dump_hlo:
       with open(args.dump_hlo, "w") as f:
         f.write(text)
     out = {"config": {"gin_files": args.gin_file, "gin_params": args.gin_param, "plan": ex.plan.name, "phase": phase,
-                      "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "param_dtype": ex.plan.param_dtype,
-                      "reduce_dtype": ex.plan.reduce_dtype, "remat": ex.plan.remat_mode,
-                      "gradient_reduction": ("qgz" if ex.plan.grad_bits else "all_to_all"
-                                             if ex.plan.gradient_all_to_all else "reduce_scatter"),
+                      "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "param_dtype": ex.plan.gather.param_dtype,
+                      "reduce_dtype": ex.plan.reduction.reduce_dtype, "remat": ex.components.remat,
+                      "gradient_reduction": ("qgz" if ex.plan.reduction.grad_bits else "all_to_all"
+                                             if ex.plan.reduction.gradient_all_to_all else "reduce_scatter"),
                       "accum_steps": ex.accum_steps,
                       "batch_size": train_args["batch_size"], "seq_len": cfg.seq_len}}
     out.update(step_report(ex, step_collectives(ex, hlo_text=text)))

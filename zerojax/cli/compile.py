@@ -47,7 +47,7 @@ def report(ex, compiled, seconds: float) -> dict:
   scheduled = schedule_from_hlo(text, ex.mesh, collectives=found)
   devices = ex.mesh.devices.flat
   return {
-      "plan": ex.plan.name, "prefetch": ex.plan.prefetch, "device_kind": next(iter(devices)).device_kind,
+      "plan": ex.plan.name, "prefetch": ex.components.prefetch, "device_kind": next(iter(devices)).device_kind,
       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "compile_s": seconds,
       "compiler_options": gpu_aot.compiler_options(ex.mesh),
       "collectives": [s.to_json() for s in scheduled],

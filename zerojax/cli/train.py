@@ -13,6 +13,7 @@ Multi-host: run the same command on every host with --coordinator=HOST:PORT --nu
 --process_id=I (detected automatically under SLURM / Open MPI when omitted).
 """
 import argparse
+import dataclasses
 import inspect
 import json
 import logging
@@ -243,10 +244,12 @@ def parameters_help() -> str:
   add("zeropp", plan_lib.zeropp, docs={"weight_bits": "qwZ: bits of the forward weight gather (None: off)",
                                        "secondary_axes": "hpZ: axes of the secondary shard (None: off)",
                                        "grad_bits": "qgZ: bits of the gradient reduction (None: off)"})
-  fields = _docs(plan_lib.Plan, "Attributes:")
-  for name, p in inspect.signature(plan_lib.Plan).parameters.items():
-    if name not in ("name", "param_axes", "grad_axes", "opt_axes", "param_dtype", "compute_dtype"):
-      rows.append((f"PLAN.{name} = {p.default!r}", fields.get(name, "")))
+  for value in plan_lib.VALUES.values():  # every plan setting, documented by the value that owns it
+    fields = _docs(value, "Attributes:")
+    for f in dataclasses.fields(value):
+      if f.name not in ("param_axes", "grad_axes", "opt_axes", "param_dtype", "compute_dtype") and \
+          f"PLAN.{f.name} = {f.default!r}" not in (r[0] for r in rows):
+        rows.append((f"PLAN.{f.name} = {f.default!r}", fields.get(f.name, "")))
   width = max(len(r[0]) for r in rows) + 2
   body = "\n".join(f"  {a.ljust(width)}{b}".rstrip() for a, b in rows)
   return ("gin parameters (--gin_param='NAME=VALUE'), with their defaults; configs/base.gin sets some of "

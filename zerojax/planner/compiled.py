@@ -53,7 +53,7 @@ def memory(point: Point, model: Model, seq_len: int, nodes: int, gpus: int, targ
   ex = executor(point, model, nodes, gpus, target, accum=accum, optimizer=optimizer, **plan_fields)
   compiled, seconds = gpu_aot.compile_step(ex, (accum, batch_per_device * ex.world, seq_len + 1))
   out = gpu_aot.memory(compiled)
-  out.update(plan=ex.plan.name, remat=ex.plan.remat_mode, prefetch=ex.plan.prefetch,
+  out.update(plan=ex.plan.name, remat=ex.components.remat, prefetch=ex.components.prefetch,
              model_states=memory_report(ex)["expected"]["total"], compile_s=seconds)
   return out
 

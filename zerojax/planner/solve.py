@@ -47,9 +47,9 @@ def workload(executor, compute_s: float = 0.0, activation_bytes: int = 0) -> Wor
   opt = jax.eval_shape(executor.optimizer.init, executor.flat_shapes())
   numel = sum(l.padded * (l.layers or 1) for l in executor.layout.leaves)
   opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(opt) if x.ndim)
-  return Workload(tuple(units), executor.accum_steps, np.dtype(executor.plan.param_dtype).itemsize,
+  return Workload(tuple(units), executor.accum_steps, np.dtype(executor.plan.gather.param_dtype).itemsize,
                   round(opt_bytes / numel), compute_s, activation_bytes,
-                  np.dtype(executor.plan.reduce_dtype).itemsize)
+                  np.dtype(executor.plan.reduction.reduce_dtype).itemsize)
 
 
 TECHNIQUES = ("weight_bits", "hpz", "hierarchical", "grad_bits", "reduce16", "radius")

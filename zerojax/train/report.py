@@ -26,39 +26,39 @@ def describe_plan(plan) -> str:
   every, gpu, none = frozenset(AXES), frozenset({"gpu"}), frozenset()
   stages = {(none, none, none): "dp", (none, none, every): "zero1", (none, every, every): "zero2",
             (every, every, every): "zero3", (gpu, gpu, gpu): "mics"}
-  if not hasattr(plan, "param_axes"):  # auto(): the planner names the plan it picks
+  if not hasattr(plan, "settings"):  # auto(): the planner names the plan it picks
     return getattr(plan, "name", "auto")
-  degrees = (plan.param_axes, plan.grad_axes, plan.opt_axes)
+  f = plan.settings()
+  degrees = (f["param_axes"], f["grad_axes"], f["opt_axes"])
   if any(isinstance(d, int) for d in degrees):  # groups named by size (MiCS, AMSP)
     p, g, o = (d if isinstance(d, int) else "+".join(d) or 1 for d in degrees)
     base = plan.name if plan.name.startswith("amsp") or "-" in plan.name else (
         f"{plan.name}(group={p})" if p == g == o else f"{plan.name}(s_p={p},s_g={g},s_os={o})")
     return "+".join([base] + _techniques(plan))
-  shard = (whole(plan.param_axes), whole(plan.grad_axes), whole(plan.opt_axes))
+  shard = tuple(whole(d) for d in degrees)
   base = stages.get(shard) or "shard(" + ",".join(
-      f"{k}={'.'.join(a) or '-'}" for k, a in zip(("params", "grads", "opt"), (
-          plan.param_axes, plan.grad_axes, plan.opt_axes))) + ")"
+      f"{k}={'.'.join(a) or '-'}" for k, a in zip(("params", "grads", "opt"), degrees)) + ")"
   return "+".join([base] + _techniques(plan))
 
 
 def _techniques(plan) -> list[str]:
-  parts = []
-  if plan.weight_bits:
-    parts.append(f"qwZ(int{plan.weight_bits}{'' if plan.weight_block else ',per-shard'}"
-                 f"{',rot' if getattr(plan, 'rotate', False) else ''})")
-  if plan.secondary_axes:
-    sec = plan.secondary_axes
+  parts, f = [], plan.settings()
+  if f["weight_bits"]:
+    parts.append(f"qwZ(int{f['weight_bits']}{'' if f['weight_block'] else ',per-shard'}"
+                 f"{',rot' if plan.gather.rotate else ''})")
+  if f["secondary_axes"]:
+    sec = f["secondary_axes"]
     parts.append(f"hpZ({sec if isinstance(sec, int) else ','.join(sec)})")
-  if plan.grad_bits:
-    bits = "/".join(f"int{b}" for b in dict.fromkeys(plan.hop_bits))
-    extra = [n for f, n in (("rotate", "rot"), ("grad_error_feedback", "ef"), ("stochastic_rounding", "sr"))
-             if getattr(plan, f)]
-    parts.append(f"qgZ({','.join([bits] + ([] if plan.grad_block else ['per-shard']) + extra)})")
-  elif getattr(plan, "reduce_dtype", "float32") != "float32":
-    parts.append(f"grads({plan.reduce_dtype})")
-  if getattr(plan, "remat", None) is not None:
-    parts.append(f"remat({plan.remat})")
-  if getattr(plan, "prefetch", False):
+  if f["grad_bits"]:
+    bits = "/".join(f"int{b}" for b in dict.fromkeys(plan.reduction.hop_bits))
+    extra = [n for k, n in (("rotate", "rot"), ("grad_error_feedback", "ef"), ("stochastic_rounding", "sr"))
+             if getattr(plan.reduction, k)]
+    parts.append(f"qgZ({','.join([bits] + ([] if f['grad_block'] else ['per-shard']) + extra)})")
+  elif f["reduce_dtype"] != "float32":
+    parts.append(f"grads({f['reduce_dtype']})")
+  if f["remat"] is not None:
+    parts.append(f"remat({f['remat']})")
+  if f["prefetch"]:
     parts.append("prefetch")
   return parts
 

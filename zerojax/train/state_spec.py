@@ -92,7 +92,7 @@ class _Spec:
       raise CheckpointError(f"TrainState has fields {fields} but checkpoints store {STORED}: add a new field "
                             "to checkpoint.STORED if it is state, or rebuild it after `restore` if derived")
     leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    axes, mesh = executor.plan.opt_order, executor.mesh
+    axes, mesh = executor.plan.sharding.opt_order, executor.mesh
     self.components = set(executor.stateful)
     stored = {n: iter(c.stored()) for n, c in executor.stateful.items()}  # in the order of the state's leaves
     self.leaves = []

@@ -62,9 +62,9 @@ def with_precision(plan: Plan, param_dtype: str | None = None, compute_dtype: st
   The precision has one channel in gin, `train.*` (the plan constructors refuse these fields there:
   `zerojax.train.gin_registry`); a plan built in Python that sets another value itself is refused.
   """
-  defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
+  defaults, settings = Plan().settings(), plan.settings()
   for field, value in zip(PRECISION, (param_dtype, compute_dtype)):
-    own = getattr(plan, field)
+    own = settings[field]
     if value is None or own == value:
       continue
     if own != defaults[field]:
@@ -145,9 +145,9 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     max_consecutive_skips: stop after this many steps in a row with non-finite loss or gradients.
     max_data_bytes: read at most this many bytes of the corpus.
     pad_multiple: leaves are padded to a multiple of devices x this (the quantization block).
-    param_dtype: the run's parameter dtype on the wire and in compute, for every plan (`Plan.param_dtype`;
+    param_dtype: the run's parameter dtype on the wire and in compute, for every plan (`Gather.param_dtype`;
       None keeps the plan's). The one place to set it in gin: the plan constructors refuse it.
-    compute_dtype: the run's compute dtype, for every plan (`Plan.compute_dtype`; None keeps the plan's).
+    compute_dtype: the run's compute dtype, for every plan (`Gather.compute_dtype`; None keeps the plan's).
     export: write the final logical parameters to `workdir/params.npz`.
     progress: show a progress bar.
     model: a model of your own instead of the GPT: "path/to/file.py:function" or "package.module:function"
@@ -272,7 +272,8 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
              "final_eval_loss": _finite(eval_loss), "skipped_steps": int(state.skipped),
              "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if median else None,
              "data": dataset.source, "memory_bytes_per_device": memory_report(ex)["expected"],
-             "plan_fields": dataclasses.asdict(plan)}
+             "plan_fields": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                             for k, v in plan.settings().items()}}
   if ex.planner_rows:
     summary["planner"] = ex.planner_rows
   if lead:

@@ -1,0 +1,217 @@
+"""A plan compiled for a mesh: the components a unit's engine and the executor call.
+
+docs/DESIGN.md, "Components". `compile(plan, mesh)` turns a resolved `Plan`'s values into
+- `ParamGather`: the parameter collectives of every unit (the master shard into the parameter shard, the
+  forward gather, what is kept for the backward, the backward's re-gather) — `Plan.gather` on
+  `Plan.sharding`;
+- `GradReduction`: a unit's gradient reduction over A_g, inside its backward — `Plan.reduction`;
+- `BoundarySync`: the accumulated gradient's sync at the end of the window (reduce-scatter over
+  A_os \\ A_g, all-reduce over the replicas, or the same all-reduce inside the last backward) —
+  `Plan.sync` (a stateful component may replace its all-reduce: `zerojax.stateful`);
+- the schedule: the remat mode and whether scanned units prefetch — `Plan.schedule`.
+The unit (`zerojax.unit`), its prefetch schedule and the executor call these; none reads the plan.
+Components are the same for every unit: a unit binds them to its leaves in its `UnitMeta`.
+
+References:
+  ZeRO: Rajbhandari et al. 2020, §5. ZeRO++: Wang et al. 2023, §3.1-3.3. MiCS: Zhang et al. 2022,
+  §3.3-3.4. AMSP: Chen et al. 2023, §IV. LoCo: Xie et al. 2024, §3. SDP4Bit: Jia et al. 2024, §3.2.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from zerojax import comm
+from zerojax.layout import LeafLayout, pad_flat, unflatten_leaf
+from zerojax.mesh import axis_sizes, group_size, owner_index
+from zerojax.plan import Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGather:
+  """How a unit's parameters reach its compute (ZeRO §5.3; qwZ, ZeRO++ §3.1; hpZ, §3.2; MiCS §3.3).
+
+  Attributes:
+    axes: A_p, the axes the parameter shards are gathered over.
+    to_param: A_os \\ A_p in order: the master shard is gathered over them into the parameter shard.
+    degree: devices along A_p.
+    dtype: the parameters' dtype on the wire; `compute_dtype` the one the unit computes in.
+    bits, block: qwZ's quantization of the gather (None: unquantized); `quantize_backward` whether the
+      backward's re-gather is quantized too (without hpZ).
+    hierarchical: gather across nodes first, then inside the node (MiCS §3.3).
+    secondary: hpZ's secondary axes (None: no hpZ); `secondary_degree` the devices along them.
+    rotate, backend: Hadamard-rotated blocks; the quantization kernels.
+  """
+  axes: tuple[str, ...]
+  to_param: tuple[str, ...]
+  degree: int
+  dtype: str
+  compute_dtype: str
+  bits: int | None
+  block: int
+  quantize_backward: bool
+  hierarchical: bool
+  secondary: tuple[str, ...] | None
+  secondary_degree: int
+  rotate: bool
+  backend: str | None
+
+  def from_master(self, master):
+    """The executor's step 0: master shards (over A_os) -> parameter shards (over A_p), in `dtype`."""
+    cast = lambda m: m.astype(self.dtype)
+    if not self.to_param:
+      return jax.tree.map(cast, master)
+    return jax.tree.map(lambda m: comm.all_gather_raw(cast(m), self.to_param, axis=m.ndim - 1, tiled=True),
+                        master)
+
+  def forward(self, shards: list, backward: bool = False) -> list:
+    """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ)."""
+    bits = self.bits if (not backward or self.quantize_backward) else None
+    return comm.all_gather_unit(shards, self.axes, bits=bits, block=self.block, backend=self.backend,
+                                hierarchical=self.hierarchical, rotate=self.rotate and bits is not None)
+
+  def secondary_shards(self, flats: list) -> list:
+    """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""
+    k, idx = self.secondary_degree, owner_index(self.secondary)
+    return [lax.dynamic_index_in_dim(f.reshape(k, -1), idx, keepdims=False) for f in flats]
+
+  def keep(self, shards: list, flats: list) -> list:
+    """What a unit keeps of its weights for the backward: the primary shard, or with hpZ the secondary
+    shard of the (dequantized) gathered weights, so the backward uses exactly the forward's weights."""
+    return self.secondary_shards(flats) if self.secondary else shards
+
+  def backward(self, kept: list) -> list:
+    """The backward's gather of the kept shards: over the secondary axes inside the node (hpZ, ZeRO++
+    §3.2), else over A_p like the forward (quantized when `quantize_backward`)."""
+    if self.secondary:
+      return comm.all_gather_unit(kept, self.secondary, hierarchical=self.hierarchical)
+    return self.forward(kept, backward=True)
+
+  def params(self, treedef, leaves: tuple[LeafLayout, ...], flats: list) -> Any:
+    """The unit's parameter tree from its gathered flat leaves, in the compute dtype."""
+    return jax.tree.unflatten(treedef, [unflatten_leaf(f, l).astype(self.compute_dtype)
+                                        for f, l in zip(flats, leaves)])
+
+  def cotangents(self, leaves: tuple[LeafLayout, ...], layers: int | None = None) -> list:
+    """Zero cotangents of the parameter shards: the gradient leaves through the sinks."""
+    lead = () if layers is None else (layers,)
+    return [jnp.zeros(lead + (l.padded // self.degree,), self.dtype) for l in leaves]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradReduction:
+  """A unit's gradient reduction over A_g inside its backward (ZeRO §5.2; qgZ, ZeRO++ §3.3).
+
+  Attributes:
+    order: A_g in the order the gradient shards are laid out (`Sharding.grad_order`); `sizes` along it.
+    degree: devices along A_g.
+    dtype: the dtype gradients are reduced and accumulated in.
+    all_to_all: an unquantized gradient goes by the 2-hop all-to-all instead of `psum_scatter`.
+    bits, block, stages: qgZ (None: unquantized); `rotate`, `backend` as for `ParamGather`.
+    error_feedback, stochastic_rounding: qgZ's fidelity options; each needs the unit's per-call state
+      (`ShardedUnit.state`: the error buffers, the rounding seed).
+    owner: the plan's name, for errors.
+  """
+  order: tuple[str, ...]
+  sizes: tuple[int, ...]
+  degree: int
+  dtype: str
+  all_to_all: bool
+  bits: int | tuple[int, int] | None
+  block: int
+  stages: int
+  rotate: bool
+  backend: str | None
+  error_feedback: bool
+  stochastic_rounding: bool
+  owner: str
+
+  def sinks(self, layout_tree) -> Any:
+    """Zero gradient sinks `[padded / |A_g|]` for a tree of `LeafLayout`s."""
+    return jax.tree.map(lambda l: jnp.zeros(l.flat_shape(self.degree), self.dtype), layout_tree,
+                        is_leaf=lambda x: isinstance(x, LeafLayout))
+
+  def __call__(self, grads: Any, leaves: tuple[LeafLayout, ...], state: tuple = (None, None)):
+    """`(reduced chunks, new error-feedback buffers or None)` of a unit's gradient tree."""
+    flats = [pad_flat(g.astype(self.dtype), l) for g, l in zip(jax.tree.leaves(grads), leaves)]
+    error, seed = state
+    if (self.error_feedback and error is None) or (self.stochastic_rounding and seed is None):
+      raise ValueError(f"plan {self.owner!r}: grad_error_feedback / stochastic_rounding need the unit's qgZ "
+                       "state, which only zerojax's own models pass (not the flax adapters yet); drop them "
+                       "for this model")
+    fidelity = {}
+    if self.bits:
+      fidelity = {"rotate": self.rotate, "error": error,
+                  "key": None if seed is None else jax.random.wrap_key_data(seed)}
+    out = comm.reduce_scatter_unit(flats, self.order, self.sizes, bits=self.bits, block=self.block,
+                                   stages=self.stages, backend=self.backend, all_to_all=self.all_to_all,
+                                   **fidelity)
+    return out if error is not None else (out, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundarySync:
+  """The accumulated gradient's sync at the end of an accumulation window: a reduce-scatter over
+  A_os \\ A_g (ZeRO-1, AMSP's T_os, §IV), then an all-reduce over the replica axes (MiCS §3.4's 2-hop
+  synchronisation). With `in_backward` the all-reduce runs inside each unit's backward of the window's
+  last micro-step instead (`ReplicaSync.sync_in_backward`).
+
+  Attributes:
+    to_opt: A_os \\ A_g in order.
+    replicas: the replica axes (outside A_os).
+    in_backward: the replica all-reduce rides with the units' gradient reductions.
+  """
+  to_opt: tuple[str, ...]
+  replicas: tuple[str, ...]
+  in_backward: bool
+
+  def __call__(self, acc, all_reduce: bool = True):
+    """`acc` reduce-scattered over `to_opt`, then (with `all_reduce`) all-reduced over the replicas."""
+    if self.to_opt:
+      acc = jax.tree.map(lambda g: lax.psum_scatter(g, self.to_opt, scatter_dimension=g.ndim - 1, tiled=True),
+                         acc)
+    if self.replicas and all_reduce:
+      acc = jax.tree.map(lambda g: lax.psum(g, self.replicas), acc)
+    return acc
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+  """A plan compiled for a mesh (see the module docstring).
+
+  Attributes:
+    gather, reduction, sync: the communication components.
+    remat: the remat mode every unit runs (`Schedule.remat` resolved).
+    prefetch: whether a scanned unit run by `zerojax.scan_layers` prefetches its layers.
+  """
+  gather: ParamGather
+  reduction: GradReduction
+  sync: BoundarySync
+  remat: str
+  prefetch: bool
+
+
+def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's compile step)
+  """The components that run a resolved `plan` (`Plan.resolve(mesh)`) on `mesh`."""
+  s, g, r = plan.sharding, plan.gather, plan.reduction
+  sizes = axis_sizes(mesh)
+  gather = ParamGather(
+      axes=s.param_axes, to_param=s.opt_order[len(s.param_axes):], degree=group_size(mesh, s.param_axes),
+      dtype=g.param_dtype, compute_dtype=g.compute_dtype or g.param_dtype, bits=g.weight_bits,
+      block=g.weight_block, quantize_backward=g.quantize_backward_gather, hierarchical=bool(g.hierarchical),
+      secondary=g.secondary_axes or None,
+      secondary_degree=group_size(mesh, g.secondary_axes) if g.secondary_axes else 1,
+      rotate=g.rotate, backend=g.kernel_backend)
+  reduction = GradReduction(
+      order=s.grad_order, sizes=tuple(sizes[a] for a in s.grad_order), degree=group_size(mesh, s.grad_axes),
+      dtype=r.reduce_dtype, all_to_all=r.gradient_all_to_all, bits=r.grad_bits, block=r.grad_block,
+      stages=r.qgz_stages, rotate=r.rotate, backend=r.kernel_backend, error_feedback=r.grad_error_feedback,
+      stochastic_rounding=r.stochastic_rounding, owner=plan.name)
+  to_opt, replicas = s.opt_order[len(s.grad_order):], s.replica_axes(mesh)
+  sync = BoundarySync(to_opt, replicas, in_backward=bool(plan.sync.sync_in_backward and replicas and not to_opt))
+  return Components(gather, reduction, sync, plan.remat_mode, bool(plan.schedule.prefetch))

@@ -1,0 +1,352 @@
+"""The values a plan is made of, each validating its own fields: where model states are sharded
+(`Sharding`), how parameters are gathered (`Gather`), how gradients are reduced (`Reduction`), how
+replicas sync (`ReplicaSync`, with Radius's `Radius`) and when collectives run (`Schedule`).
+
+docs/DESIGN.md, "A plan is a few small values". Each field keeps the name the plan constructors and gin
+take (`zeropp.weight_bits`), so an error names the setting the user wrote; the rules between values are
+`zerojax.plan.Plan`'s.
+
+References:
+  ZeRO: Rajbhandari et al. 2020, §5 (stages 1-3). MiCS: Zhang et al. 2022, §3.1, §3.3-3.4.
+  ZeRO++: Wang et al. 2023, §3.1 (qwZ), §3.2 (hpZ), §3.3 (qgZ). AMSP: Chen et al. 2023, §IV.
+  Radius: Zheng & Zhang, §4.1-4.3. LoCo: Xie et al. 2024, §3. SDP4Bit: Jia et al. 2024, §3.2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from zerojax import remat
+from zerojax.mesh import AXES
+
+Axes = tuple[str, ...] | int  # mesh axes by name, or a group of that many consecutive devices
+REDUCE_VIA = ("auto", "all_to_all", "reduce_scatter")
+REMAT = remat.MODES
+
+
+def _axes(axes: Sequence[str] | str | int) -> Axes:
+  if isinstance(axes, int) and not isinstance(axes, bool):
+    if axes < 1:
+      raise ValueError(f"a group of {axes} devices: use a positive group size")
+    return axes
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Radius:
+  """Radius's sparse replica sync (Radius §4, Algorithms 1–2), the value of `Plan.replica_sync`.
+
+  Steps `0 .. dense_steps - 1` all-reduce densely, exactly like the plan without Radius. From then on,
+  every `period` steps a *select* step all-reduces gradient + residual densely, zeroes the residual and
+  picks the k largest |optimizer update| (for AdamW lr·|m̂/(√v̂+ε) + λw|, Algorithm 2) in each device's
+  shard of every leaf; the steps in between all-reduce only the k selected values and add the rest of
+  the local gradient to the residual. Every replica selects from the same values, so the indices agree
+  with no communication. k = ⌈density · c⌉ for a shard of c elements of a leaf (per layer). The ranking
+  is the update's magnitude, so a select step whose learning rate is 0 (a warm-up from 0) ranks only
+  ties and keeps the lowest positions: switch after it (`dense_steps` >= 1).
+
+  Attributes:
+    density: fraction of the gradient sent on sparse steps, in (0, 1] (the paper's d; 0.4 by default).
+    period: steps per selection window (the paper's T, 200).
+    dense_steps: steps trained densely before the first selection (the paper's threshold; it
+      switches after 15–20% of training).
+  """
+  density: float = 0.4
+  period: int = 200
+  dense_steps: int = 0
+
+  def __post_init__(self):
+    if not 0 < self.density <= 1:
+      raise ValueError(f"radius density={self.density} is outside (0, 1]; use the fraction of the gradient "
+                       "to send, e.g. 0.4")
+    if int(self.period) != self.period or self.period < 1:
+      raise ValueError(f"radius period={self.period} must be a whole number of steps >= 1 (the paper uses 200)")
+    if int(self.dense_steps) != self.dense_steps or self.dense_steps < 0:
+      raise ValueError(f"radius dense_steps={self.dense_steps} must be a whole number of steps >= 0")
+
+  def shard_k(self, chunk: int) -> int:
+    """Selected elements of a shard of `chunk` elements: ⌈density · chunk⌉ (at least 1)."""
+    return max(1, math.ceil(round(self.density * chunk, 6)))
+
+
+def radius(density: float = 0.4, period: int = 200, dense_steps: int = 0) -> Radius:
+  """Radius's replica sync (see `Radius`): `mics(replica_sync=radius(density=0.1))`."""
+  return Radius(density=density, period=period, dense_steps=dense_steps)
+
+
+def _dtype(value: str | None, field: str) -> None:
+  if value is None:
+    return
+  try:
+    jnp.dtype(value)
+  except TypeError:
+    raise ValueError(f"{field}={value!r} is not a dtype name (use 'float32' or 'bfloat16')") from None
+
+
+def _one_of(value, field: str, allowed: tuple) -> None:
+  if value not in allowed:
+    raise ValueError(f"{field}={value!r}; use one of {allowed}")
+
+
+def _block(value: int, field: str) -> None:
+  if value < 0 or value % 2:
+    raise ValueError(f"{field}={value} must be an even block size, or 0 for one scale per shard")
+
+
+def _rotatable(block: int, field: str) -> None:
+  if block < 2 or block & (block - 1):
+    raise ValueError(f"rotate=True needs a power-of-two {field}, got {block}; use e.g. 256")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  """Where each model-state component is sharded (ZeRO §5; MiCS §3.1; AMSP §IV): A_p ⊆ A_g ⊆ A_os.
+
+  Each field names mesh axes (`("node", "gpu")`, `("gpu",)`) or is an int k: a group of k consecutive
+  devices (a divisor of a node's devices, or whole nodes). The executor factors the mesh so that every
+  such group is a set of axes (`mesh.factor`) and resolves the plan onto it (`Plan.resolve`); the devices
+  outside a group that hold the same shard are the replica axes.
+
+  Attributes:
+    param_axes: A_p, mesh axes the parameters (P) are sharded over between layers.
+    grad_axes: A_g ⊇ A_p, mesh axes the accumulated gradient (G) is sharded over.
+    opt_axes: A_os ⊇ A_g, mesh axes the fp32 master weights and optimizer states are sharded over.
+  """
+  param_axes: Axes = AXES
+  grad_axes: Axes = AXES
+  opt_axes: Axes = AXES
+
+  def __post_init__(self):
+    for f in ("param_axes", "grad_axes", "opt_axes"):
+      object.__setattr__(self, f, _axes(getattr(self, f)))
+      axes = getattr(self, f)
+      if not isinstance(axes, int) and len(set(axes)) != len(axes):
+        raise ValueError(f"{f}={axes} repeats an axis")
+    self.check_nesting()
+
+  def check_nesting(self) -> None:
+    """Raises unless params ⊆ grads ⊆ optimizer states (group sizes: each divides the next)."""
+    p, g, os_ = self.param_axes, self.grad_axes, self.opt_axes
+    if all(isinstance(a, int) for a in (p, g, os_)):
+      ok = g % p == 0 and os_ % g == 0
+    elif any(isinstance(a, int) for a in (p, g, os_)):
+      return  # checked once resolved onto a mesh
+    else:
+      ok = set(p) <= set(g) <= set(os_)
+    if not ok:
+      raise ValueError(f"shard groups must nest, params {p} ⊆ grads {g} ⊆ optimizer states {os_}; a "
+                       "component cannot be sharded over devices its successor is replicated over")
+
+  # Axis orders: each component's axes start with those of the component it is gathered into, so that
+  # a tiled all-gather over the difference of axes returns the coarser shard in its original order.
+  @property
+  def grad_order(self) -> tuple[str, ...]:
+    return self.param_axes + tuple(a for a in self.grad_axes if a not in self.param_axes)
+
+  @property
+  def opt_order(self) -> tuple[str, ...]:
+    return self.grad_order + tuple(a for a in self.opt_axes if a not in self.grad_axes)
+
+  def replica_axes(self, mesh: Mesh) -> tuple[str, ...]:
+    """Axes the optimizer states are replicated over: gradients are all-reduced over them."""
+    return tuple(a for a in mesh.axis_names if a not in self.opt_axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+  """How parameters are gathered (ZeRO §5.3; qwZ, ZeRO++ §3.1; hpZ, ZeRO++ §3.2; MiCS §3.3).
+
+  Attributes:
+    param_dtype: dtype of the parameters on the wire (and in compute unless `compute_dtype` is set).
+    compute_dtype: dtype the gathered parameters are cast to before the unit's computation (None:
+      `param_dtype`). E.g. bf16 on the wire with fp32 compute, faster than bf16 math on CPUs.
+    weight_bits: qwZ: the forward all-gather moves block-quantized values of this many bits (8 or 4)
+      and their scales; None gathers in `param_dtype`.
+    weight_block: elements per qwZ quantization block; 0 = one scale per shard (non-blocked, the
+      baseline of ZeRO++ §3.1 / Fig. 2).
+    quantize_backward_gather: with qwZ and without hpZ, re-gather quantized in backward too (the
+      backward then uses exactly the forward's dequantized weights).
+    hierarchical: MiCS §3.3 all-gather for groups that span nodes: gather across nodes among devices
+      with the same local rank first (all in parallel), then inside the node. Same output as the flat
+      gather, (p - k) M / p instead of (p - 1) M / p bytes across nodes. None: on exactly when the
+      parameter group spans nodes (MiCS's default); True on a group inside one node is an error.
+    secondary_axes: hpZ: after a unit's forward keep only its secondary shard, the slice of the
+      gathered weights for this device's position along these axes (⊆ param_axes, e.g. the node,
+      `("gpu",)`); the backward all-gather runs over them only. None: no hpZ.
+    rotate: quantize every qwZ block times a Hadamard matrix, undone after dequantization (SDP4Bit
+      §3.2): outliers are spread over the block. Needs `weight_bits` and a power-of-two block.
+    kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
+  """
+  param_dtype: str = "bfloat16"
+  compute_dtype: str | None = None
+  weight_bits: int | None = None
+  weight_block: int = 256
+  quantize_backward_gather: bool = True
+  hierarchical: bool | None = False
+  secondary_axes: Axes | None = None
+  rotate: bool = False
+  kernel_backend: str | None = None
+
+  def __post_init__(self):
+    if self.secondary_axes is not None:
+      object.__setattr__(self, "secondary_axes", _axes(self.secondary_axes))
+    _one_of(self.weight_bits, "weight_bits", (None, 4, 8))
+    _block(self.weight_block, "weight_block")
+    if self.rotate:
+      if not self.weight_bits:
+        raise ValueError("rotate=True rotates qwZ's blocks, but weight_bits is None; set it or drop rotate")
+      _rotatable(self.weight_block, "weight_block")
+    for f in ("param_dtype", "compute_dtype"):
+      _dtype(getattr(self, f), f)
+
+  @property
+  def alignment(self) -> int:
+    """Elements a device's shard is a multiple of: qwZ's blocks never cross an owner chunk."""
+    return (self.weight_block or 2) if self.weight_bits else 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+  """How gradients are reduced over A_g (ZeRO §5.2; qgZ, ZeRO++ §3.3; LoCo §3; SDP4Bit §3.2).
+
+  Attributes:
+    reduce_dtype: dtype gradients are reduced and accumulated in (fp32). 16-bit (bf16/fp16) is
+      DeepSpeed's ZeRO-3 default (`communication_data_type`) and the baseline of ZeRO++'s evaluation.
+    reduce_via: how an unquantized gradient is reduce-scattered over A_g: "reduce_scatter" (one
+      `psum_scatter`, a ring on GPUs), "all_to_all" (qgZ's two hops, inside the node then across nodes,
+      moving the gradient's raw words and summing in fp32: `comm.reduce.all_to_all_reduce_scatter`), or
+      "auto" (the default): "all_to_all" when `reduce_dtype` is 16-bit, so 16-bit gradients stay 16 bits
+      on the wire on every backend (XLA:CPU widens a 16-bit reduce-scatter to fp32), else
+      "reduce_scatter". With qgZ (`grad_bits`), which is its own all-to-all, only "auto" is valid.
+    grad_bits: qgZ: the gradient reduce-scatter becomes a 2-hop all-to-all of block-quantized values of
+      this many bits (4 or 8): inside the node, then across nodes. A pair `(intra, inter)` sets each
+      hop's bits, e.g. `(8, 4)`: int8 inside the node, int4 across nodes (SDP4Bit §3.2). A group with
+      one hop uses the bits of that hop.
+    grad_block: elements per qgZ quantization block; 0 = one scale per slab (non-blocked).
+    qgz_stages: qgZ pipeline stages (ZeRO++ §4.1.2, Algorithm 2); results do not depend on it.
+    rotate: Hadamard-rotate every qgZ block before quantizing (SDP4Bit §3.2); needs `grad_bits` and a
+      power-of-two block.
+    stochastic_rounding: qgZ rounds stochastically (`floor(x / scale + u)`, unbiased), with noise seeded
+      by the step, micro-step, unit, layer and device: reproducible, independent per device.
+    grad_error_feedback: qgZ with error feedback (LoCo §3): what each quantization of qgZ drops (the
+      first hop's error of the local gradient, the second hop's error of the node-local sums) is kept
+      per device and added to the same positions' values at the next micro-step, so nothing is lost,
+      only delayed. The errors are train state (`fidelity.ErrorFeedback`, checkpointed); they cost one
+      fp32 copy of the unit's local gradient plus 1/G of it per device.
+    kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
+  """
+  reduce_dtype: str = "float32"
+  reduce_via: str = "auto"
+  grad_bits: int | tuple[int, int] | None = None
+  grad_block: int = 256
+  qgz_stages: int = 1
+  rotate: bool = False
+  stochastic_rounding: bool = False
+  grad_error_feedback: bool = False
+  kernel_backend: str | None = None
+
+  def __post_init__(self):
+    if isinstance(self.grad_bits, list):
+      object.__setattr__(self, "grad_bits", tuple(self.grad_bits))
+    if isinstance(self.grad_bits, tuple):
+      if len(self.grad_bits) != 2 or any(b not in (4, 8) for b in self.grad_bits):
+        raise ValueError(f"grad_bits={self.grad_bits!r}; use 4, 8 or a pair (intra-node, inter-node) of "
+                         "them, e.g. (8, 4)")
+    else:
+      _one_of(self.grad_bits, "grad_bits", (None, 4, 8))
+    for f in ("grad_error_feedback", "stochastic_rounding"):
+      if getattr(self, f) and not self.grad_bits:
+        raise ValueError(f"{f}=True acts on qgZ's quantization, but grad_bits is None; set grad_bits "
+                         "(e.g. 4) or drop it")
+    _block(self.grad_block, "grad_block")
+    if self.qgz_stages < 1:
+      raise ValueError(f"qgz_stages={self.qgz_stages} must be at least 1")
+    if self.rotate:
+      if not self.grad_bits:
+        raise ValueError("rotate=True rotates qgZ's blocks, but grad_bits is None; set it or drop rotate")
+      _rotatable(self.grad_block, "grad_block")
+    _one_of(self.reduce_via, "reduce_via", REDUCE_VIA)
+    if self.grad_bits and self.reduce_via != "auto":
+      raise ValueError(f"reduce_via={self.reduce_via!r} with qgZ (grad_bits={self.grad_bits}), which is its "
+                       "own 2-hop all-to-all; leave reduce_via='auto'")
+    _dtype(self.reduce_dtype, "reduce_dtype")
+
+  @property
+  def hop_bits(self) -> tuple[int, int] | None:
+    """qgZ's bits per hop, (intra-node, inter-node); None without qgZ."""
+    if self.grad_bits is None:
+      return None
+    return tuple(self.grad_bits) if isinstance(self.grad_bits, tuple) else (self.grad_bits,) * 2
+
+  @property
+  def gradient_all_to_all(self) -> bool:
+    """Whether unquantized gradients are reduced by the 2-hop all-to-all (`reduce_via`)."""
+    if self.reduce_via == "auto":
+      dtype = jnp.dtype(self.reduce_dtype)
+      return dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+    return self.reduce_via == "all_to_all"
+
+  @property
+  def alignment(self) -> int:
+    """Elements a device's shard is a multiple of: qgZ's blocks never cross a pipeline stage."""
+    return (self.grad_block or 2) * self.qgz_stages if self.grad_bits else 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSync:
+  """How gradients are all-reduced over the replica axes, the devices outside A_os (MiCS §3.4; Radius §4).
+
+  Attributes:
+    sync_in_backward: for plans with replicas and A_g = A_os (DP, MiCS): the last micro-step of an
+      accumulation window all-reduces each unit's gradient over the replica axes inside its backward,
+      overlapping the sync with the remaining backward compute; False syncs after the window (MiCS §3.4
+      as written). Same sums either way (to float reassociation). Needs every unit called once per
+      micro-batch, which is checked at trace time (a model whose layers are traced twice, as flax's
+      `nn.scan` does, is refused with a one-line error): opt-in, on in `configs/mics*.gin`. A plan
+      whose A_os is finer than A_g (ZeRO-1, AMSP) syncs after the window.
+    replica_sync: None, a dense all-reduce; `radius(...)`, Radius's periodic top-k with a residual
+      (`Radius`). Radius syncs after the accumulation window (select and sparse steps do not use
+      `sync_in_backward`; its dense warm-up steps do).
+  """
+  sync_in_backward: bool = False
+  replica_sync: Radius | None = None
+
+  def __post_init__(self):
+    if self.replica_sync is not None and not isinstance(self.replica_sync, Radius):
+      raise ValueError(f"replica_sync={self.replica_sync!r}; use None (dense all-reduce) or "
+                       "radius(density=..., period=..., dense_steps=...)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """When a unit's collectives run against its compute (ZeRO §5.3 and §7; ZeRO §6.1 for remat).
+
+  Attributes:
+    remat: what a unit's backward recomputes. "full": the whole forward, from the unit's inputs and the
+      re-gathered weights (ZeRO-3's default: nothing but the inputs is kept between forward and
+      backward). "dots": keeps the outputs of the matmuls with the weights
+      (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and recomputes the rest. "none": keeps
+      every residual of the forward and recomputes nothing. In every mode the backward re-gathers the
+      weights (hpZ: from the secondary shard) instead of keeping them, so "dots" and "none" cost
+      activation memory (per layer, for the whole backward), never gathered weights. None (the
+      default): "none" when the parameters are not sharded (DP, ZeRO-1/2), else "full".
+    prefetch: inside a scanned unit run by `zerojax.scan_layers`, gather layer i+1 while layer i computes
+      (forward), and in backward gather layer i-1 and reduce layer i+1's gradient while layer i's
+      backward runs (`zerojax.prefetch`): a schedule of the unit's own engine, so it composes with every
+      other field. At most two gathered layers are alive. False: each layer gathers when it runs. Same
+      numbers either way (to float reassociation). None (the default): on for a mesh of GPUs when the
+      parameters are sharded and remat is "full", off on CPUs; `Plan.resolve` decides. On GPUs it is
+      what lets the layer loops' collectives overlap compute (`zerojax.gpu_aot`). With remat "dots" /
+      "none" it is opt-in: there the compiled H100 program of zeropp keeps weights gathered outside the
+      backward layer loop alive across it (the per-layer path does not).
+  """
+  remat: str | None = None
+  prefetch: bool | None = None
+
+  def __post_init__(self):
+    if self.prefetch is not None and not isinstance(self.prefetch, bool):
+      raise ValueError(f"prefetch={self.prefetch!r}; use True, False or None (on for GPUs)")
+    _one_of(self.remat, "remat", (None, *REMAT))
