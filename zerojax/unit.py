@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 from zerojax import comm, remat
+from zerojax.jaxpr_walk import sub_jaxprs
 from zerojax.layout import LeafLayout, pad_flat, unflatten_leaf
 from zerojax.mesh import owner_index
 from zerojax.plan import Plan
@@ -295,22 +296,13 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _sub_jaxprs(eqn):
-  for v in eqn.params.values():
-    for j in (v if isinstance(v, (tuple, list)) else (v,)):
-      if hasattr(j, "eqns"):
-        yield j
-      elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
-        yield j.jaxpr
-
-
 def _collective_axes(jaxpr) -> set:
   found = set()
   for eqn in jaxpr.eqns:
     for k in _COLLECTIVE_PARAMS:
       v = eqn.params.get(k)
       found |= {a for a in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(a, str)}
-    for sub in _sub_jaxprs(eqn):
+    for sub, _ in sub_jaxprs(eqn):
       found |= _collective_axes(sub)
   return found
 
