@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax import plan as plans
+from zerojax import layout, plan as plans
 from zerojax.train import checkpoint, export, signals, state_spec
 from zerojax.models.gpt import gpt
 from tests import helpers
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def flat_numpy(tree) -> dict:
   """`{"params/blocks/qkv/kernel": array, ...}` of a stored-layout tree."""
-  return {state_spec.SEP.join(state_spec.path_names(p)): np.asarray(x)
+  return {state_spec.SEP.join(layout.path_names(p)): np.asarray(x)
           for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -82,7 +82,7 @@ def test_stored_layout_is_logical(saved):
   ex, _, want, _ = saved
   params = ex.logical_params(saved[1])
   for p, x in jax.tree_util.tree_leaves_with_path(params):
-    key = state_spec.SEP.join(("params",) + state_spec.path_names(p))
+    key = state_spec.SEP.join(("params",) + layout.path_names(p))
     assert want[key].shape == x.shape
     mu = [k for k in want if k.startswith("opt_state") and k.endswith("/mu/" + key[len("params/"):])]
     assert len(mu) == 1 and want[mu[0]].shape == x.shape

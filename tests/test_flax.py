@@ -142,6 +142,8 @@ def test_mask_by_ndim_matches_optax_on_the_unsharded_tree(linen, mesh):
     (optax.adafactor(1e-3, min_dim_size_to_factor=8), "factored|not the shape of a parameter"),
     (optax.contrib.muon(1e-3), "muon"),
     (optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.shape[0] > 4, p)), "beyond their rank"),
+    (optax.GradientTransformation(lambda p: jnp.zeros((5, 3)), lambda u, s, p=None: (u, s)),
+     r"has shape \(5, 3\), which is not the shape of a parameter"),  # the same on the shards
 ])
 def test_shape_dependent_optimizers_are_refused(opt, match, linen, mesh):
   with pytest.raises(ValueError, match=match):

@@ -7,7 +7,7 @@ layer, or of its own group (folder, or the core modules among themselves), never
   1  zerojax.mesh | zerojax.quantization | zerojax.gpu_aot  the mesh | the kernels' front | compile-only GPUs
   2  zerojax.comm                                         the collectives
   3  zerojax.{plan_values, plan, components, layout, remat, fidelity, unit, prefetch, executor, memory, logical,
-     stateful, radius_sync, train_state}                  core: the plan, its components and the one executor
+     stateful, radius_sync, train_state, jaxpr_walk}      core: the plan, its components and the one executor
   4  zerojax.models | zerojax.planner                     models | the AMSP planner
   5  zerojax.train | zerojax.analysis                     trainer | reading compiled programs
   6  zerojax.cli                                          commands
@@ -22,8 +22,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CORE = ("plan_values", "plan", "components", "layout", "remat", "fidelity", "unit", "prefetch", "executor", "memory", "logical", "model",
-        "stateful", "radius_sync", "train_state")
+CORE = ("plan_values", "plan", "components", "layout", "remat", "fidelity", "unit", "prefetch", "executor",
+        "memory", "logical", "model", "stateful", "radius_sync", "train_state", "jaxpr_walk")
 MAX_LINES = 500
 
 

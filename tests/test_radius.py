@@ -291,7 +291,7 @@ def ckpt_executor(plan, mesh):
 
 
 def logical(ex, state) -> dict:
-  return {state_spec.SEP.join(state_spec.path_names(p)): np.asarray(x)
+  return {state_spec.SEP.join(layout_lib.path_names(p)): np.asarray(x)
           for p, x in jax.tree_util.tree_leaves_with_path(state_spec.logical_state(ex, state))}
 
 

@@ -1,5 +1,5 @@
 """zerojax: ZeRO-3, ZeRO++, MiCS, AMSP and Radius as plans of one sharded data-parallel executor."""
-from zerojax.executor import Executor, Model, StepMetrics, check_elementwise
+from zerojax.executor import Executor, Model, StepMetrics
 from zerojax.layout import Layout, LeafLayout
 from zerojax.mesh import initialize_distributed, make_mesh
 from zerojax.models.linen import from_linen, linen_rngs
@@ -11,7 +11,7 @@ from zerojax.train_state import TrainState
 from zerojax.unit import ShardedUnit, unit
 
 __all__ = [
-    "Executor", "Model", "RadiusState", "StepMetrics", "TrainState", "check_elementwise", "Layout", "LeafLayout",
+    "Executor", "Model", "RadiusState", "StepMetrics", "TrainState", "Layout", "LeafLayout",
     "initialize_distributed", "make_mesh", "PLANS", "Plan", "Radius", "amsp", "dp", "mics", "radius", "zero1",
     "zero2", "zero3", "zeropp", "ShardedUnit", "unit", "scan_layers", "from_linen", "from_nnx", "linen_rngs",
 ]

@@ -129,7 +129,6 @@ class Executor:
                         is_leaf=layout_lib.is_layout)
 
   def init_from_flat(self, flat, rng=None, mutable=None):
-    check_elementwise(self.optimizer, flat)
     model, key = self.model, jax.random.key(0)
     if model.rng:
       rng = jax.random.key_data(jax.random.fold_in(key if rng is None else rng, 1))
@@ -407,19 +406,3 @@ def _inexact(x):
 
 def _same_structure(a, b) -> bool:
   return jax.tree.structure(a) == jax.tree.structure(b, is_leaf=layout_lib.is_layout)
-
-
-def check_elementwise(optimizer: optax.GradientTransformation, flat_params) -> None:
-  """Rejects optimizers whose state is not elementwise (e.g. adafactor's factored moments).
-
-  On flat padded shards, a factored second moment would be computed over the wrong axes, so every
-  non-scalar optimizer-state leaf must have the shape of a parameter leaf.
-  """
-  shapes = {tuple(x.shape) for x in jax.tree.leaves(flat_params)}
-  state = jax.eval_shape(optimizer.init, flat_params)
-  for path, x in jax.tree_util.tree_leaves_with_path(state):
-    if x.ndim and tuple(x.shape) not in shapes:
-      raise ValueError(
-          f"optimizer state leaf {jax.tree_util.keystr(path)} has shape {tuple(x.shape)}, which is not the "
-          "shape of any flat parameter shard: factored optimizers (adafactor, ...) are not valid on ZeRO's "
-          "flat shards; use an elementwise one (adamw, lion, sgd, ...)")

@@ -80,6 +80,11 @@ def is_layout(x) -> bool:
   return isinstance(x, LeafLayout)
 
 
+def path_names(path) -> tuple[str, ...]:
+  """A pytree path as names: a dict's key, an attribute's name, a sequence's index, each as a string."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def pad_flat(x: jax.Array, lay: LeafLayout) -> jax.Array:
   """One layer's leaf, any shape with `lay.size` elements -> flat zero-padded `[padded]`."""
   return jnp.pad(x.reshape(-1), (0, lay.padded - lay.size))

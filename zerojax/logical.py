@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from zerojax import layout as layout_lib
+from zerojax.jaxpr_walk import sub_jaxprs
 
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
            "argmin"}
@@ -41,10 +42,6 @@ def view_shape(lay: layout_lib.LeafLayout) -> tuple[int, ...]:
   return lead + (1,) * max(len(lay.shape) - 1, 0) + (lay.padded,)
 
 
-def _path_names(path) -> tuple[str, ...]:
-  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def _where(eqn) -> str:
   """`file:line (function)` of the user or optax frame that emitted `eqn`."""
   try:
@@ -57,15 +54,6 @@ def _where(eqn) -> str:
   return "unknown source"
 
 
-def _subs(eqn):
-  for v in eqn.params.values():
-    for j in (v if isinstance(v, (tuple, list)) else (v,)):
-      if hasattr(j, "eqns"):
-        yield j, ()
-      elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
-        yield j.jaxpr, getattr(j, "consts", ())
-
-
 def _signature(jaxpr, consts=()) -> list:
   """`(primitive, literal values, equation)` of a jaxpr, recursively, without shapes."""
   out = [("const", repr(np.asarray(c).tolist()), None) for c in consts
@@ -73,7 +61,7 @@ def _signature(jaxpr, consts=()) -> list:
   for eqn in jaxpr.eqns:
     lits = tuple(repr(np.asarray(v.val).tolist()) for v in eqn.invars if type(v).__name__ == "Literal")
     out.append((eqn.primitive.name, lits, eqn))
-    for sub, c in _subs(eqn):
+    for sub, c in sub_jaxprs(eqn):
       out.extend(_signature(sub, c))
   return out
 
@@ -82,7 +70,7 @@ def _leaf_wise(jaxpr, views: set) -> Any:
   """The first equation that computes across the axes of a leaf-shaped array, or None."""
   tracked = lambda v: hasattr(v, "aval") and hasattr(v.aval, "shape") and tuple(v.aval.shape) in views
   for eqn in jaxpr.eqns:
-    subs = list(_subs(eqn))
+    subs = list(sub_jaxprs(eqn))
     if subs:
       for sub, _ in subs:
         bad = _leaf_wise(sub, views)
@@ -112,7 +100,8 @@ def _leaf_wise(jaxpr, views: set) -> Any:
 
 
 def check_optimizer(optimizer: optax.GradientTransformation, logical: Any, views: Any) -> None:
-  """Raises unless `optimizer` behaves the same on the logical shapes and on the rank-preserving views.
+  """Raises unless `optimizer` behaves the same on the logical shapes and on the rank-preserving views,
+  and keeps every non-scalar state leaf in a parameter's shape (so it is stored and sharded as one).
 
   Args:
     optimizer: the user's optax transformation.
@@ -129,8 +118,10 @@ def check_optimizer(optimizer: optax.GradientTransformation, logical: Any, views
                      f"structure differs: {jax.tree.structure(s_log)} vs {jax.tree.structure(s_view)}); "
                      + refuse)
   pairs = {(tuple(a.shape), tuple(b.shape)) for a, b in zip(jax.tree.leaves(logical), jax.tree.leaves(views))}
+  shapes = {b for _, b in pairs}
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(s_log), jax.tree.leaves(s_view)):
-    if tuple(a.shape) != tuple(b.shape) and (tuple(a.shape), tuple(b.shape)) not in pairs:
+    if ((b.ndim and tuple(b.shape) not in shapes)
+        or (tuple(a.shape) != tuple(b.shape) and (tuple(a.shape), tuple(b.shape)) not in pairs)):
       raise ValueError(f"optimizer state {jax.tree_util.keystr(path)} has shape {tuple(a.shape)}, which is "
                        f"not the shape of a parameter; "
                        + refuse)
@@ -151,14 +142,32 @@ def check_optimizer(optimizer: optax.GradientTransformation, logical: Any, views
                      f"shards); " + refuse)
 
 
+def param_owners(names: tuple[str, ...], params: list, fits: Callable) -> list:
+  """The parameters an optimizer-state leaf may belong to, found by its path.
+
+  Optax states mirror the params' tree (`mu`, `nu`, masked or chained), so a state leaf belongs to the
+  parameter whose path ends its path; the longest such path wins (("last", "bias") over ("bias",)).
+
+  Args:
+    names: the state leaf's path (`layout.path_names`).
+    params: `(path names, LeafLayout)` of every parameter in the user's tree.
+    fits: which parameters the leaf's shape admits.
+
+  Returns:
+    The `LeafLayout`s that fit and whose path ends `names`, the longest only; failing that, all that fit.
+  """
+  ends = [(len(p), lay) for p, lay in params if fits(lay) and names[-len(p):] == p]
+  longest = max((n for n, _ in ends), default=None)
+  return [lay for n, lay in ends if n == longest] or [lay for _, lay in params if fits(lay)]
+
+
 def logical_optimizer(optimizer: optax.GradientTransformation, layout: layout_lib.Layout,
                       to_user: Callable, from_user: Callable) -> optax.GradientTransformationExtraArgs:
   """Wraps `optimizer` to take and return trees of flat leaves (`{unit: ...}`), running it on the
   user's tree of rank-preserving views. Optimizer states shaped like a parameter's view are stored flat,
   so they shard, checkpoint and restore like the parameters (see `zerojax.train.state_spec`)."""
   lays = layout.tree()
-  user_lays = jax.tree.leaves(to_user(lays), is_leaf=layout_lib.is_layout)
-  user_paths = [_path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+  user_params = [(layout_lib.path_names(p), l) for p, l in jax.tree_util.tree_flatten_with_path(
       to_user(lays), is_leaf=layout_lib.is_layout)[0]]
   view = lambda tree: to_user(jax.tree.map(lambda x, l: x.reshape(view_shape(l)), tree, lays))
   flat = lambda tree: jax.tree.map(lambda x, l: x.reshape(l.flat_shape()), from_user(tree), lays)
@@ -169,11 +178,8 @@ def logical_optimizer(optimizer: optax.GradientTransformation, layout: layout_li
   state_views = jax.eval_shape(optimizer.init, views)
   owners = []  # per state leaf: (view shape, flat shape) of the parameter it belongs to, or None
   for path, x in jax.tree_util.tree_leaves_with_path(state_views):
-    names, shape = _path_names(path), tuple(x.shape)
-    match = sorted(((len(p), i) for i, p in enumerate(user_paths)
-                    if view_shape(user_lays[i]) == shape and names[-len(p):] == p), reverse=True)
-    match = [user_lays[i] for _, i in match]
-    match = match or [l for l in user_lays if view_shape(l) == shape]
+    shape = tuple(x.shape)
+    match = param_owners(layout_lib.path_names(path), user_params, lambda l, shape=shape: view_shape(l) == shape)
     owners.append((shape, match[0].flat_shape()) if x.ndim and match else None)
 
   def store(state):
@@ -217,7 +223,7 @@ def _outside_units(jaxpr, tainted: set):
       continue
     if eqn.primitive.name.startswith("custom_vjp_call"):
       continue
-    subs = [s for s, _ in _subs(eqn)]
+    subs = [s for s, _ in sub_jaxprs(eqn)]
     if not subs:
       return eqn
     for sub in subs:

@@ -35,8 +35,9 @@ import numpy as np
 from jax import lax
 
 from zerojax import remat
-from zerojax.layout import LeafLayout
 from zerojax.components import GradReduction, ParamGather
+from zerojax.jaxpr_walk import sub_jaxprs
+from zerojax.layout import LeafLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,22 +247,13 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _sub_jaxprs(eqn):
-  for v in eqn.params.values():
-    for j in (v if isinstance(v, (tuple, list)) else (v,)):
-      if hasattr(j, "eqns"):
-        yield j
-      elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
-        yield j.jaxpr
-
-
 def _collective_axes(jaxpr) -> set:
   found = set()
   for eqn in jaxpr.eqns:
     for k in _COLLECTIVE_PARAMS:
       v = eqn.params.get(k)
       found |= {a for a in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(a, str)}
-    for sub in _sub_jaxprs(eqn):
+    for sub, _ in sub_jaxprs(eqn):
       found |= _collective_axes(sub)
   return found
 

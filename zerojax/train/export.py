@@ -6,7 +6,8 @@ import os
 import jax
 import numpy as np
 
-from zerojax.train.state_spec import SEP, path_names
+from zerojax.layout import path_names
+from zerojax.train.state_spec import SEP
 
 
 def export_params(executor, state, path: str | None = None) -> dict:

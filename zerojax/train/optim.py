@@ -5,6 +5,8 @@ import gin
 import jax
 import optax
 
+from zerojax.layout import path_names
+
 # Leaves whose name ends with one of these get weight decay; biases and LayerNorm scales do not.
 DECAYED = ("kernel", "wte", "wpe", "w_out")
 
@@ -12,9 +14,7 @@ DECAYED = ("kernel", "wte", "wpe", "w_out")
 def decay_mask(params) -> dict:
   """True for leaves whose last path element names a matrix (see `DECAYED`)."""
   def is_decayed(path, _):
-    last = path[-1]
-    name = str(getattr(last, "key", getattr(last, "name", last)))
-    return name in DECAYED
+    return path_names(path)[-1] in DECAYED
   return jax.tree_util.tree_map_with_path(is_decayed, params)
 
 

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from zerojax import layout as layout_lib
+from zerojax import layout as layout_lib, logical as logical_lib
 from zerojax.stateful import Stored
 from zerojax.train_state import STATEFUL
 
@@ -54,17 +54,6 @@ class CheckpointError(ValueError):
 
 
 # -- the logical layout ------------------------------------------------------------------------------
-
-def _name(entry) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(entry, attr):
-      return str(getattr(entry, attr))
-  return str(entry)
-
-
-def path_names(path) -> tuple[str, ...]:
-  return tuple(_name(e) for e in path)
-
 
 class _Leaf(NamedTuple):
   names: tuple[str, ...]                  # path in the stored tree, e.g. ("opt_state", "1", "0", "mu", ...)
@@ -82,10 +71,10 @@ class _Spec:
   def __init__(self, executor):
     shapes = jax.eval_shape(executor.init_from_flat, executor.flat_shapes())
     self.shardings = executor.shardings(shapes)
-    by_path = {path_names(p): lay for p, lay in jax.tree_util.tree_flatten_with_path(
+    by_path = {layout_lib.path_names(p): lay for p, lay in jax.tree_util.tree_flatten_with_path(
         executor.layout.tree(), is_leaf=layout_lib.is_layout)[0]}
     # Optimizer states are named by the user's tree (e.g. flax's params), which the optimizer sees.
-    params = [(path_names(p), lay) for p, lay in jax.tree_util.tree_flatten_with_path(
+    params = [(layout_lib.path_names(p), lay) for p, lay in jax.tree_util.tree_flatten_with_path(
         executor.user_layout(), is_leaf=layout_lib.is_layout)[0]]
     fields = tuple(f.name for f in dataclasses.fields(shapes))
     if sorted(fields) != sorted(STORED):
@@ -97,7 +86,7 @@ class _Spec:
     stored = {n: iter(c.stored()) for n, c in executor.stateful.items()}  # in the order of the state's leaves
     self.leaves = []
     for path, x in leaves:
-      names = path_names(path)
+      names = layout_lib.path_names(path)
       if names[0] in stored:
         s = next(stored[names[0]])
         self.leaves.append(_Leaf(names, None, s.shape, s.dtype, s.sharding, kind="component", stored=s))
@@ -130,10 +119,7 @@ class _Spec:
   @staticmethod
   def _owner(names, shape, params):
     """The layout of the parameter an optimizer-state leaf belongs to: its path ends with the param's."""
-    ends = [(len(p), lay) for p, lay in params if names[-len(p):] == p and lay.flat_shape() == shape]
-    match = [lay for n, lay in ends if n == max(n for n, _ in ends)]  # the longest path: ("last", "bias"), not ("bias",)
-    if len(match) != 1:
-      match = [lay for _, lay in params if lay.flat_shape() == shape]
+    match = logical_lib.param_owners(names, params, lambda lay: lay.flat_shape() == shape)
     if len(match) != 1:
       raise CheckpointError(
           f"optimizer state leaf {SEP.join(names)} of shape {shape} belongs to no single parameter (no "
