@@ -97,7 +97,7 @@ class Plan:
     """The rules between values: each quantization needs the collective it quantizes, hpZ's group lies
     inside the parameter group."""
     s, g = self.sharding, self.gather
-    if g.weight_bits and not s.param_axes:
+    if g.quantized and not s.param_axes:
       raise ValueError(f"plan {self.name!r}: qwZ (weight_bits) quantizes the parameter all-gather, but "
                        "param_axes is empty; shard the parameters (e.g. zero3) or drop weight_bits")
     if g.secondary_axes is not None and not isinstance(g.secondary_axes, int) and \

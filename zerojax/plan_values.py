@@ -203,9 +203,14 @@ class Gather:
       _dtype(getattr(self, f), f)
 
   @property
+  def quantized(self) -> bool:
+    """Whether the forward gather moves quantized blocks (qwZ)."""
+    return bool(self.weight_bits)
+
+  @property
   def alignment(self) -> int:
     """Elements a device's shard is a multiple of: qwZ's blocks never cross an owner chunk."""
-    return (self.weight_block or 2) if self.weight_bits else 2
+    return (self.weight_block or 2) if self.quantized else 2
 
 
 @dataclasses.dataclass(frozen=True)
