@@ -46,6 +46,7 @@ class ParamGather:
     hierarchical: gather across nodes first, then inside the node (MiCS §3.3).
     secondary: hpZ's secondary axes (None: no hpZ); `secondary_degree` the devices along them.
     rotate, backend: Hadamard-rotated blocks; the quantization kernels.
+    format: "float8_e4m3fn": the gather moves 8-bit floats with a scale per `block` (None: off).
   """
   axes: tuple[str, ...]
   to_param: tuple[str, ...]
@@ -60,6 +61,7 @@ class ParamGather:
   secondary_degree: int
   rotate: bool
   backend: str | None
+  format: str | None = None
 
   def from_master(self, master):
     """The executor's step 0: master shards (over A_os) -> parameter shards (over A_p), in `dtype`."""
@@ -72,8 +74,29 @@ class ParamGather:
   def forward(self, shards: list, backward: bool = False) -> list:
     """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ)."""
     bits = self.bits if (not backward or self.quantize_backward) else None
+    if self.format and (not backward or self.quantize_backward):
+      return self._float8_gather(shards)
     return comm.all_gather_unit(shards, self.axes, bits=bits, block=self.block, backend=self.backend,
                                 hierarchical=self.hierarchical, rotate=self.rotate and bits is not None)
+
+  def _float8_gather(self, shards: list) -> list:
+    """The packed chunk as float8_e4m3fn blocks and their fp32 scales, gathered as one uint8 buffer and
+    dequantized on arrival (FP8-LM §2.1; qwZ's wire layout, `comm.wire.pack_wire`)."""
+    buf = jnp.concatenate(shards)
+    blocks = buf.astype(jnp.float32).reshape(-1, self.block or buf.shape[0])
+    scale = jnp.max(jnp.abs(blocks), axis=1, keepdims=True) / 448.0  # float8_e4m3fn's largest finite value
+    scale = jnp.where(scale > 0, scale, 1.0)
+    values = lax.bitcast_convert_type((blocks / scale).astype(jnp.float8_e4m3fn), jnp.uint8).reshape(-1)
+    (wire,) = comm.all_gather_unit([comm.pack_wire(values, scale.reshape(-1))], self.axes,
+                                   hierarchical=self.hierarchical)
+    v, s = comm.unpack_wire(wire.reshape(self.degree, -1), values.shape[0], bits=0)  # uint8 values
+    v = lax.bitcast_convert_type(v, jnp.float8_e4m3fn).astype(jnp.float32).reshape(self.degree, -1, blocks.shape[1])
+    full = (v * s[..., None]).reshape(self.degree, -1).astype(buf.dtype)
+    out, off = [], 0
+    for c in (x.shape[0] for x in shards):
+      out.append(full[:, off:off + c].reshape(-1))
+      off += c
+    return out
 
   def secondary_shards(self, flats: list) -> list:
     """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""
@@ -206,7 +229,7 @@ def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's com
       block=g.weight_block, quantize_backward=g.quantize_backward_gather, hierarchical=bool(g.hierarchical),
       secondary=g.secondary_axes or None,
       secondary_degree=group_size(mesh, g.secondary_axes) if g.secondary_axes else 1,
-      rotate=g.rotate, backend=g.kernel_backend)
+      rotate=g.rotate, backend=g.kernel_backend, format=g.weight_format)
   reduction = GradReduction(
       order=s.grad_order, sizes=tuple(sizes[a] for a in s.grad_order), degree=group_size(mesh, s.grad_axes),
       dtype=r.reduce_dtype, all_to_all=r.gradient_all_to_all, bits=r.grad_bits, block=r.grad_block,

@@ -179,6 +179,9 @@ class Gather:
     rotate: quantize every qwZ block times a Hadamard matrix, undone after dequantization (SDP4Bit
       §3.2): outliers are spread over the block. Needs `weight_bits` and a power-of-two block.
     kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
+    weight_format: "float8_e4m3fn": the forward gather moves the weights as 8-bit floats with one fp32
+      scale per `weight_block` (max |w| / 448), the float counterpart of qwZ's int8 (FP8-LM, Peng et
+      al. 2023, §2.1); None: off. Not with `weight_bits`.
   """
   param_dtype: str = "bfloat16"
   compute_dtype: str | None = None
@@ -189,8 +192,13 @@ class Gather:
   secondary_axes: Axes | None = None
   rotate: bool = False
   kernel_backend: str | None = None
+  weight_format: str | None = None
 
   def __post_init__(self):
+    _one_of(self.weight_format, "weight_format", (None, "float8_e4m3fn"))
+    if self.weight_format and self.weight_bits:
+      raise ValueError(f"weight_format={self.weight_format!r} and weight_bits={self.weight_bits} both quantize "
+                       "the gather; set one of them")
     if self.secondary_axes is not None:
       object.__setattr__(self, "secondary_axes", _axes(self.secondary_axes))
     _one_of(self.weight_bits, "weight_bits", (None, 4, 8))
@@ -205,7 +213,7 @@ class Gather:
   @property
   def quantized(self) -> bool:
     """Whether the forward gather moves quantized blocks (qwZ)."""
-    return bool(self.weight_bits)
+    return bool(self.weight_bits or self.weight_format)
 
   @property
   def alignment(self) -> int:
