@@ -1,4 +1,4 @@
-"""Does XLA:CPU overlap a collective with independent compute? And what does `Plan.prefetch` change?
+"""Does XLA:CPU overlap a collective with independent compute? And what does `Schedule.prefetch` change?
 
 On 8 simulated CPU devices in one process, timed in interleaved repetitions (medians and min–max):
   (a) an all-gather of ~`--mb` MB (each device holds 1/8 of an f32 array) alone,

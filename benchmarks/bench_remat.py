@@ -1,4 +1,4 @@
-"""Step time and compiled memory of each plan under each remat mode (`Plan.remat`), in one process.
+"""Step time and compiled memory of each plan under each remat mode (`Schedule.remat`), in one process.
 
 Every (plan, remat) pair trains the same GPT on the same batches on 8 simulated CPU devices (a 2 x 4
 mesh). Each repetition runs `--steps` steps of every pair in turn (the order rotates between

@@ -5,7 +5,7 @@ optimizer state) is sharded on its embedding (d_model) dimension over all device
 constrained to the batch axes (`with_sharding_constraint` after the embedding and after every block),
 and the step is jitted with explicit in/out shardings; the partitioner inserts the all-gathers and
 reduce-scatters. Vectors (biases, LayerNorm scales) are replicated, as MaxText's "norm" axis is. It
-recomputes what the plan's units recompute (`Plan.remat`): "full" checkpoints the embedding, each block
+recomputes what the plan's units recompute (`Schedule.remat`): "full" checkpoints the embedding, each block
 and the head with nothing saved, "dots" saves the matmuls without batch dimensions, "none" checkpoints
 nothing. Both start from the same parameters and train on the same batches with the same optimizer.
 

@@ -244,7 +244,7 @@ def zero3(**kw) -> Plan:
   """ZeRO stage 3 (ZeRO §5.3): parameters, gradients and optimizer states sharded over all devices.
 
   `zero3(reduce_dtype="bfloat16")` is ZeRO-3 as DeepSpeed runs it by default and as ZeRO++'s evaluation
-  compares against (16-bit gradients, reduced in 16 bits on the wire: `Plan.reduce_via`);
+  compares against (16-bit gradients, reduced in 16 bits on the wire: `Reduction.reduce_via`);
   `configs/zero3_bf16grad.gin`.
   """
   kw.setdefault("name", "zero3")

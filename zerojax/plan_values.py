@@ -37,7 +37,7 @@ def _axes(axes: Sequence[str] | str | int) -> Axes:
 
 @dataclasses.dataclass(frozen=True)
 class Radius:
-  """Radius's sparse replica sync (Radius §4, Algorithms 1–2), the value of `Plan.replica_sync`.
+  """Radius's sparse replica sync (Radius §4, Algorithms 1–2), the value of `ReplicaSync.replica_sync`.
 
   Steps `0 .. dense_steps - 1` all-reduce densely, exactly like the plan without Radius. From then on,
   every `period` steps a *select* step all-reduces gradient + residual densely, zeroes the residual and
