@@ -3,6 +3,7 @@ import pathlib
 import re
 
 import numpy as np
+import pytest
 
 
 def test_readme_api_example_runs():
@@ -23,3 +24,16 @@ def test_readme_flax_example_runs():
   assert scope["params"]["Block_0"]["Dense_0"]["kernel"].shape == (32, 32)
   assert set(scope["stats"]) == {"Block_0", "Block_1", "Block_2"}
   assert set(scope["metrics"].aux) == {"accuracy"}
+
+
+def test_readme_plan_example_runs_and_fails_as_it_says():
+  """The Plans section's block: the settings land in their values, and its last line raises the error
+  its comment quotes."""
+  text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  code = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "plan.reduction.hop_bits" in c][0]
+  said = re.search(r"# ValueError: (.*)", code).group(1)
+  scope = {}
+  with pytest.raises(ValueError) as e:
+    exec(compile(code, "README.md", "exec"), scope)
+  assert str(e.value) == said
+  assert scope["prefetched"].schedule.prefetch is True and scope["plan"].schedule.prefetch is None
