@@ -42,8 +42,8 @@ def main():
   args = ap.parse_args()
   cfg = GPTConfig()  # the defaults of configs/base.gin
   mesh = zerojax.make_mesh(2, 4)
-  ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000), zerojax.zero3(param_dtype="float32"),
-                        mesh, pad_multiple=256)
+  ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000), zerojax.zero3(param_dtype="float32", pad_multiple=256),
+                        mesh)
   state, step = ex.init(jax.random.key(0)), ex.step_fn()
   rng = np.random.default_rng(0)
   batch = lambda: jax.device_put(rng.integers(0, 256, (1, args.batch, cfg.seq_len + 1)).astype(np.int32),

@@ -91,8 +91,8 @@ def child(args):
     runs = {}
     for name in ("zero3", "zeropp"):
       for pf in (False, True):
-        plan = zerojax.PLANS[name](param_dtype="float32", prefetch=pf)
-        ex = zerojax.Executor(gpt(cfg), make_optimizer(), plan, mesh, pad_multiple=256)
+        plan = zerojax.PLANS[name](param_dtype="float32", prefetch=pf, pad_multiple=256)
+        ex = zerojax.Executor(gpt(cfg), make_optimizer(), plan, mesh)
         runs[f"{name}/prefetch={pf}"] = [ex, ex.init(jax.random.key(0)), ex.step_fn(), []]
     from bench_plans import time_steps  # after this process's XLA_FLAGS are set
     time_steps(runs, args.train_steps, args.batch, cfg.seq_len)

@@ -67,7 +67,7 @@ def main():
   runs = {}
   for name in args.plans.split(","):
     ex = zerojax.Executor(gpt(cfg), make_optimizer(), VARIANTS[name](param_dtype="float32",
-                          kernel_backend=args.backend), mesh, pad_multiple=256)
+                          kernel_backend=args.backend, pad_multiple=256), mesh)
     runs[name] = [ex, ex.init(jax.random.key(0)), ex.step_fn(), []]
   time_steps(runs, args.steps, args.batch, cfg.seq_len)
   med = {n: float(np.median(r[3])) for n, r in runs.items()}

@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -94,7 +95,7 @@ def run_overhead(reps: int) -> dict:
                                                   replica_sync=zerojax.radius(density=0.4, period=10 ** 6))}
   runs = {}
   for name, plan in variants.items():
-    ex = zerojax.Executor(model, make_optimizer(total_steps=200), plan, mesh, pad_multiple=256)
+    ex = zerojax.Executor(model, make_optimizer(total_steps=200), dataclasses.replace(plan, pad_multiple=256), mesh)
     state, step, b = ex.init(jax.random.key(0)), ex.step_fn(), jax.device_put(batch, ex.batch_sharding)
     for _ in range(2):  # compile; Radius: the select step, then the sparse one
       state, m = step(state, b)

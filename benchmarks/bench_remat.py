@@ -50,8 +50,9 @@ def main(argv=None):
   pairs = {}
   for name in args.plans.split(","):
     for mode in args.modes.split(","):
-      plan = zerojax.PLANS[name](param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, remat=mode)
-      ex = zerojax.Executor(model, make_optimizer(total_steps=1000), plan, mesh, pad_multiple=256)
+      plan = zerojax.PLANS[name](param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, remat=mode,
+                                 pad_multiple=256)
+      ex = zerojax.Executor(model, make_optimizer(total_steps=1000), plan, mesh)
       state = ex.init_from_params(params)
       lowered = ex.step_fn().lower(state, jax.device_put(batches[0], ex.batch_sharding))
       mem = lowered.compile().memory_analysis()

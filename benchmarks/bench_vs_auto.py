@@ -132,10 +132,10 @@ def main(argv=None):
     ap.error(f"--reps {args.reps}: use at least 3 repetitions")
   cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, num_layers=args.layers)
   model, opt, mesh = gpt(cfg), make_optimizer(total_steps=1000), zerojax.make_mesh(2, 4)
-  plan = zerojax.PLANS[args.plan](param_dtype=args.param_dtype, remat=args.remat)
+  plan = zerojax.PLANS[args.plan](param_dtype=args.param_dtype, remat=args.remat, pad_multiple=256)
   remat = plan.remat_mode
   params = jax.jit(model.init)(jax.random.key(0))
-  ex = zerojax.Executor(model, opt, plan, mesh, accum_steps=args.accum, pad_multiple=256)
+  ex = zerojax.Executor(model, opt, plan, mesh, accum_steps=args.accum)
   state, zstep = ex.init_from_params(params), ex.step_fn()
   astep, aparams, aopt, b_sh = gspmd_step(cfg, params, opt, mesh, args.accum, remat)
   rng = np.random.default_rng(0)

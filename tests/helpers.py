@@ -1,4 +1,5 @@
 """Shared fixtures for the executor tests: a tiny GPT, a reference single-device trainer."""
+import dataclasses
 import socket
 
 import jax
@@ -93,7 +94,7 @@ def reference_case():
 
 def run(plan, mesh, opt, model=None, steps=3, accum=2, pad_multiple=1):
   model = model or tiny_gpt()
-  ex = zerojax.Executor(model, opt, plan, mesh, accum_steps=accum, pad_multiple=pad_multiple)
+  ex = zerojax.Executor(model, opt, dataclasses.replace(plan, pad_multiple=pad_multiple), mesh, accum_steps=accum)
   params = jax.jit(model.init)(jax.random.key(0))
   state = ex.init_from_params(params)
   step = ex.step_fn()

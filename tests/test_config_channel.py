@@ -33,15 +33,15 @@ def test_the_hpz_group_is_the_plans_own_field():
 
 
 def test_the_runs_precision_applies_to_a_plan_that_leaves_it_at_its_default():
-  p = trainer.with_precision(plans.zero3(), "bfloat16", "float32")
+  p = trainer.with_run_settings(plans.zero3(), "bfloat16", "float32")
   assert (p.gather.param_dtype, p.gather.compute_dtype) == ("bfloat16", "float32")
-  assert trainer.with_precision(plans.mics(compute_dtype="float32"), None, None).gather.compute_dtype == "float32"
-  assert trainer.with_precision(plans.mics(compute_dtype="float32"), None, "float32").gather.compute_dtype == "float32"
+  assert trainer.with_run_settings(plans.mics(compute_dtype="float32"), None, None).gather.compute_dtype == "float32"
+  assert trainer.with_run_settings(plans.mics(compute_dtype="float32"), None, "float32").gather.compute_dtype == "float32"
 
 
 def test_a_conflict_between_plan_and_run_is_a_one_line_error():
   with pytest.raises(ValueError) as e:
-    trainer.with_precision(plans.zero3(param_dtype="float32"), "bfloat16", None)
+    trainer.with_run_settings(plans.zero3(param_dtype="float32"), "bfloat16", None)
   msg = str(e.value)
   assert "\n" not in msg and "param_dtype='float32'" in msg and "train.param_dtype='bfloat16'" in msg
 

@@ -34,9 +34,9 @@ def make_nnx():
   return model, fm.nnx_apply(fm.NNet(nnx.Rngs(0, dropout=1)))
 
 
-def executor(model, plan, mesh, opt=None, **kw):
+def executor(model, plan, mesh, opt=None, pad_multiple=1, **kw):
   kw.setdefault("accum_steps", ACCUM)
-  plan = zerojax.PLANS[plan](**({} if plan == "zeropp" else {"param_dtype": "float32"}))
+  plan = zerojax.PLANS[plan](pad_multiple=pad_multiple, **({} if plan == "zeropp" else {"param_dtype": "float32"}))
   return zerojax.Executor(model, opt or helpers.capture_grads(), plan, mesh, **kw)
 
 

@@ -78,7 +78,8 @@ def test_compiled_forward_gather_moves_one_byte_per_weight(case):
   mesh, model, params, batch, _ = case
 
   def forward_gathers(plan):
-    ex = zerojax.Executor(model, optax.sgd(0.1), plan, mesh, accum_steps=batch.shape[0], pad_multiple=256)
+    ex = zerojax.Executor(model, optax.sgd(0.1), dataclasses.replace(plan, pad_multiple=256), mesh,
+                          accum_steps=batch.shape[0])
     state = ex.init_from_params(params)
     hlo = ex.step_fn().lower(state, jax.device_put(batch, ex.batch_sharding)).compile().as_text()
     return [c for c in analysis.collectives_from_hlo(hlo, mesh) if c.role == "forward all-gather"]

@@ -49,7 +49,7 @@ def test_bad_inputs_get_clear_errors():
 def test_memory_report_matches_plan(name):
   """Per-device bytes are P/s_p + G/s_g + OS/s_os; the measured shards of a live state agree."""
   mesh = zerojax.make_mesh(2, 4)
-  ex = zerojax.Executor(helpers.tiny_gpt(), optax.adamw(1e-3), plans.PLANS[name](), mesh, pad_multiple=4)
+  ex = zerojax.Executor(helpers.tiny_gpt(), optax.adamw(1e-3), plans.PLANS[name](pad_multiple=4), mesh)
   rep = memory_report(ex, ex.init(jax.random.key(0)))
   exp, degree = rep["expected"], {"dp": 1, "zero1": 8, "zero2": 8, "zero3": 8, "mics": 4, "zeropp": 8}[name]
   n = exp["numel_padded"]

@@ -5,6 +5,7 @@ The checklist of `shared/notes/radius_digest.md` §5 that holds on CPU: against 
 reference of Algorithms 1–2 written plainly below (`reference_radius`), bitwise against the dense plan,
 read from the compiled program, and through checkpoints.
 """
+import dataclasses
 import math
 
 import gin
@@ -287,7 +288,7 @@ def test_residual_conservation_over_a_window():
 
 def ckpt_executor(plan, mesh):
   from zerojax.train.optim import make_optimizer
-  return zerojax.Executor(helpers.tiny_gpt(), make_optimizer(total_steps=10), plan, mesh, pad_multiple=3)
+  return zerojax.Executor(helpers.tiny_gpt(), make_optimizer(total_steps=10), dataclasses.replace(plan, pad_multiple=3), mesh)
 
 
 def logical(ex, state) -> dict:

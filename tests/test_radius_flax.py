@@ -92,7 +92,7 @@ def expected_k(ex):
   """Per user-tree path: (layers, elements per A_os shard, k), from the module's own parameter shapes
   (flax `init`), the mesh and the plan's alignment; the scanned leaves are those under `blocks`."""
   shapes = jax.eval_shape(LM().init, jax.random.key(0), jnp.zeros((2, T), jnp.int32))["params"]
-  multiple = 8 * ex.plan.alignment  # devices x alignment (Executor's pad_multiple=1)
+  multiple = 8 * ex.plan.alignment  # devices x alignment (the plan's pad_multiple is 1)
   out = {}
   for path, x in jax.tree_util.tree_leaves_with_path(shapes):
     names = layout_lib.path_names(path)

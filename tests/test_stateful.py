@@ -28,7 +28,7 @@ BOTH = plans.mics(group_size=4, grad_bits=8, grad_error_feedback=True,
 
 @pytest.fixture(scope="module")
 def both():
-  ex = zerojax.Executor(helpers.tiny_gpt(), optax.adamw(1e-3), BOTH, zerojax.make_mesh(4, 2), pad_multiple=3,
+  ex = zerojax.Executor(helpers.tiny_gpt(), optax.adamw(1e-3), dataclasses.replace(BOTH, pad_multiple=3), zerojax.make_mesh(4, 2),
                         accum_steps=2)
   return ex, ex.init(jax.random.key(0))
 

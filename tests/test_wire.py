@@ -1,4 +1,5 @@
 """The wire: collective accounting of real compiled train steps (ZeRO++ Table 1) and the cluster emulator."""
+import dataclasses
 import importlib.util
 import json
 import os
@@ -25,8 +26,8 @@ ZERO3 = dict(param_dtype="bfloat16", reduce_dtype="bfloat16")
 
 def executor(plan, mesh=None, accum_steps=1, cfg=CFG):
   mesh = mesh or zerojax.make_mesh(NODES, GPUS)
-  return zerojax.Executor(gpt(cfg), make_optimizer(total_steps=10), plan, mesh, accum_steps=accum_steps,
-                          pad_multiple=256)
+  return zerojax.Executor(gpt(cfg), make_optimizer(total_steps=10), dataclasses.replace(plan, pad_multiple=256),
+                          mesh, accum_steps=accum_steps)
 
 
 _CACHE = {}

@@ -1,5 +1,6 @@
 """Shared helpers of the tests that run train.py as a subprocess (tests/test_train*.py, test_checkpoint,
 test_radius) and of the checkpoint worker."""
+import dataclasses
 import json
 import os
 import re
@@ -61,7 +62,7 @@ STEPS = 2
 
 def make_executor(plan, mesh, model=None, optimizer="adamw"):
   opt = make_optimizer(name=optimizer, total_steps=10)
-  return zerojax.Executor(model or helpers.tiny_gpt(), opt, plan, mesh, pad_multiple=3)
+  return zerojax.Executor(model or helpers.tiny_gpt(), opt, dataclasses.replace(plan, pad_multiple=3), mesh)
 
 
 TRAIN_STEPS = 20

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -68,7 +67,6 @@ class Executor:
     mesh: the ("node", "gpu") mesh (or a factoring of it); the executor factors it further for plans
       that name groups by size, and keeps the result as `self.mesh`.
     accum_steps: micro-batches per optimizer step (gradient accumulation).
-    pad_multiple: leaves are padded to a multiple of (devices x lcm(pad_multiple, plan.alignment)).
 
   Attributes:
     planner_rows: the planner's ranked table when `auto()` chose this executor's plan (set by the trainer,
@@ -77,7 +75,7 @@ class Executor:
   planner_rows: list[dict] | None = None
 
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
-               accum_steps: int = 1, pad_multiple: int = 1):
+               accum_steps: int = 1):
     plan.check_groups(mesh)
     mesh = mesh_lib.factor(mesh, plan.groups())  # groups of k consecutive devices become mesh axes
     plan = plan.resolve(mesh)
@@ -91,7 +89,7 @@ class Executor:
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     if not isinstance(shapes, dict):
       raise TypeError(f"model.init must return a dict of units, got {type(shapes).__name__}")
-    self.layout = layout_lib.make_layout(shapes, model.scanned, mesh.size * math.lcm(pad_multiple, plan.alignment))
+    self.layout = layout_lib.make_layout(shapes, model.scanned, mesh.size * plan.alignment)
     self.to_user, self.from_user = model.to_user or identity, model.from_user or identity
     self.user_optimizer = optimizer
     self.optimizer = logical_lib.logical_optimizer(optimizer, self.layout, self.to_user, self.from_user)

@@ -119,9 +119,10 @@ class Plan:
 
   @property
   def alignment(self) -> int:
-    """Leaves are padded to a multiple of (devices x alignment): quantization blocks never cross an
-    owner chunk or a qgZ pipeline stage."""
-    return math.lcm(self.gather.alignment, self.reduction.alignment)
+    """Leaves are padded to a multiple of (devices x alignment), the one padding decision: the
+    `Sharding.pad_multiple` asked for and the quantizing values' blocks (qwZ's never cross an owner
+    chunk, qgZ's never a pipeline stage)."""
+    return math.lcm(self.sharding.pad_multiple, self.gather.alignment, self.reduction.alignment)
 
   def _group_fields(self) -> dict:
     s = self.sharding
@@ -160,7 +161,8 @@ class Plan:
         out.extend(parts or [a])
       return tuple(out)
     s = self.sharding
-    sharding = Sharding(expand(s.param_axes), expand(s.grad_axes), expand(s.opt_axes))
+    sharding = dataclasses.replace(s, param_axes=expand(s.param_axes), grad_axes=expand(s.grad_axes),
+                                   opt_axes=expand(s.opt_axes))
     p = sharding.param_axes
     spans = any(mesh_lib.is_node_axis(a) for a in p) and any(not mesh_lib.is_node_axis(a) for a in p)
     if self.gather.hierarchical and not spans:

@@ -114,12 +114,18 @@ class Sharding:
     param_axes: A_p, mesh axes the parameters (P) are sharded over between layers.
     grad_axes: A_g ⊇ A_p, mesh axes the accumulated gradient (G) is sharded over.
     opt_axes: A_os ⊇ A_g, mesh axes the fp32 master weights and optimizer states are sharded over.
+    pad_multiple: every leaf is zero-padded to a multiple of (devices x lcm(pad_multiple, the blocks the
+      quantizing values need)), `Plan.alignment`: a multiple wanted on top of the blocks, e.g. one
+      layout of the shards for every plan of a run (`train.pad_multiple`, 256).
   """
   param_axes: Axes = AXES
   grad_axes: Axes = AXES
   opt_axes: Axes = AXES
+  pad_multiple: int = 1
 
   def __post_init__(self):
+    if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
+      raise ValueError(f"pad_multiple={self.pad_multiple!r} must be a whole number >= 1 (e.g. 256)")
     for f in ("param_axes", "grad_axes", "opt_axes"):
       object.__setattr__(self, f, _axes(getattr(self, f)))
       axes = getattr(self, f)

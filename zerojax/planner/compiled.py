@@ -37,8 +37,8 @@ def executor(point: Point, model: Model, nodes: int, gpus: int, target: str, *, 
   optimizer is AdamW (fp32 moments) unless given."""
   gpu_aot.check_plugin()
   mesh = mesh_lib.make_mesh(nodes, devices=gpu_aot.devices(target, nodes, gpus))
-  plan = point.plan(nodes, gpus, **plan_fields)
-  return Executor(model, optimizer or optax.adamw(1e-4), plan, mesh, accum_steps=accum, pad_multiple=PAD_MULTIPLE)
+  plan = point.plan(nodes, gpus, **{"pad_multiple": PAD_MULTIPLE, **plan_fields})
+  return Executor(model, optimizer or optax.adamw(1e-4), plan, mesh, accum_steps=accum)
 
 
 def memory(point: Point, model: Model, seq_len: int, nodes: int, gpus: int, target: str, *, accum: int = 1,

@@ -61,10 +61,10 @@ def _message(e: Exception) -> str:
 
 
 def _hint(msg: str) -> str:
-  """For an unknown parameter, the closest known names; for a plan's precision field, where it is set."""
+  """For an unknown parameter, the closest known names; for a run setting of the plan (precision, padding), where it is set."""
   d = re.search(r"Configurable '(\w+)' has denylisted kwarg '(\w+)'", msg)
   if d:
-    return f" (the precision is the run's, for every plan: set train.{d.group(2)})"
+    return f" ({d.group(2)} is the run's, for every plan: set train.{d.group(2)})"
   m = re.search(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", msg)
   if not m:
     return ""

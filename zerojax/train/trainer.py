@@ -53,23 +53,25 @@ class NonFiniteError(RuntimeError):
   pass
 
 
-PRECISION = ("param_dtype", "compute_dtype")  # the run's precision: `train.*` in gin, for every plan
+RUN_SETTINGS = ("param_dtype", "compute_dtype", "pad_multiple")  # `train.*` in gin, for every plan
 
 
-def with_precision(plan: Plan, param_dtype: str | None = None, compute_dtype: str | None = None) -> Plan:
-  """`plan` with the run's precision (`train.param_dtype`, `train.compute_dtype`; None keeps the plan's).
+def with_run_settings(plan: Plan, param_dtype: str | None = None, compute_dtype: str | None = None,
+                      pad_multiple: int | None = None) -> Plan:
+  """`plan` with the run's settings (`train.param_dtype`, `train.compute_dtype`, `train.pad_multiple`;
+  None keeps the plan's).
 
-  The precision has one channel in gin, `train.*` (the plan constructors refuse these fields there:
+  Each has one channel in gin, `train.*` (the plan constructors refuse these fields there:
   `zerojax.train.gin_registry`); a plan built in Python that sets another value itself is refused.
   """
   defaults, settings = Plan().settings(), plan.settings()
-  for field, value in zip(PRECISION, (param_dtype, compute_dtype)):
+  for field, value in zip(RUN_SETTINGS, (param_dtype, compute_dtype, pad_multiple)):
     own = settings[field]
     if value is None or own == value:
       continue
     if own != defaults[field]:
-      raise ValueError(f"plan {plan.name!r} sets {field}={own!r} but train.{field}={value!r}; set the precision "
-                       f"in one place: train.{field} (or train.{field}=None to keep the plan's)")
+      raise ValueError(f"plan {plan.name!r} sets {field}={own!r} but train.{field}={value!r}; set it in one "
+                       f"place: train.{field} (or train.{field}=None to keep the plan's)")
     plan = dataclasses.replace(plan, **{field: value})
   return plan
 
@@ -87,12 +89,11 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
   if isinstance(plan, planner.Auto):
     return _auto(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
                  param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model)
-  plan = with_precision(plan, param_dtype, compute_dtype)
+  plan = with_run_settings(plan, param_dtype, compute_dtype, pad_multiple)
   mesh = make_mesh(num_nodes or default_num_nodes(), devices=devices)
   cfg = model_config()
   net = gpt(cfg) if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
-  return Executor(net, make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps,
-                  pad_multiple=pad_multiple)
+  return Executor(net, make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps)
 
 
 def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor:
@@ -144,7 +145,8 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     log_every: steps between rows of metrics.jsonl.
     max_consecutive_skips: stop after this many steps in a row with non-finite loss or gradients.
     max_data_bytes: read at most this many bytes of the corpus.
-    pad_multiple: leaves are padded to a multiple of devices x this (the quantization block).
+    pad_multiple: leaves are padded to a multiple of devices x lcm(this, the plan's quantization blocks),
+      for every plan (`Sharding.pad_multiple`): one layout of the shards for every plan of the run.
     param_dtype: the run's parameter dtype on the wire and in compute, for every plan (`Gather.param_dtype`;
       None keeps the plan's). The one place to set it in gin: the plan constructors refuse it.
     compute_dtype: the run's compute dtype, for every plan (`Gather.compute_dtype`; None keeps the plan's).
