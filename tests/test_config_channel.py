@@ -17,7 +17,8 @@ def clean_gin():
 
 
 @pytest.mark.parametrize("binding,field", [("zero3.param_dtype = 'float32'", "param_dtype"),
-                                           ("mics.compute_dtype = 'bfloat16'", "compute_dtype")])
+                                           ("mics.compute_dtype = 'bfloat16'", "compute_dtype"),
+                                           ("zeropp.pad_multiple = 4", "pad_multiple")])
 def test_a_plan_constructor_refuses_the_precision_in_gin(binding, field):
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.parse(["configs/zero3.gin"], [binding])
@@ -50,3 +51,16 @@ def test_help_advertises_no_plan_precision_and_no_secondary_group():
   text = parameters_help()
   assert "train.param_dtype" in text and "train.compute_dtype" in text and "PLAN.reduce_dtype" in text
   assert "PLAN.param_dtype" not in text and "PLAN.compute_dtype" not in text and "secondary_group" not in text
+
+
+def test_the_runs_padding_is_the_plans_one_alignment():
+  """`train.pad_multiple` reaches the plan's `Sharding.pad_multiple`; `Plan.alignment`, the layout's one
+  input, is its lcm with the quantization blocks; a plan that sets its own is refused, not overridden."""
+  assert trainer.with_run_settings(plans.zero3(), pad_multiple=256).alignment == 256
+  assert trainer.with_run_settings(plans.zeropp(weight_block=64, grad_block=32, qgz_stages=3),
+                                   pad_multiple=5).alignment == 5 * 192
+  with pytest.raises(ValueError) as e:
+    trainer.with_run_settings(plans.zero3(pad_multiple=3), pad_multiple=256)
+  assert "\n" not in str(e.value) and "pad_multiple=3" in str(e.value) and "train.pad_multiple=256" in str(e.value)
+  with pytest.raises(ValueError, match=r"pad_multiple=0 must be a whole number >= 1"):
+    plans.zero3(pad_multiple=0)
