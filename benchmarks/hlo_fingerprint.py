@@ -1,0 +1,81 @@
+"""Fingerprints of the optimized step programs of every shipped config: a re-design that must keep every
+number compiles the same programs.
+
+    python benchmarks/hlo_fingerprint.py --out before.json        # at the old commit
+    python benchmarks/hlo_fingerprint.py --out after.json         # at the new one
+    python benchmarks/hlo_fingerprint.py --compare before.json after.json
+
+Each config is built as tests/test_golden.py builds it (tiny model, 2 x 4 CPU devices); every program it
+runs (one per phase) is compiled and its optimized HLO reduced to its instructions and computations,
+without metadata, source locations and instruction numbering, then hashed. Prints JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def normalize(text: str) -> str:
+  """The instructions and computations of an HLO text, without metadata, locations and numbering."""
+  text = re.sub(r", metadata=\{[^}]*\}", "", text)
+  text = re.sub(r", stack_frame_id=\d+", "", text)
+  lines = [l for l in text.splitlines() if (" = " in l or l.rstrip().endswith("{") or l.strip() == "}")
+           and not l.startswith("HloModule")]
+  return re.sub(r"\.\d+\b", "", "\n".join(lines))
+
+
+def fingerprints() -> dict:
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  sys.path.insert(0, ROOT)
+  import gin
+  import jax
+  import numpy as np
+  from tests import test_golden
+  out = {}
+  for config in test_golden.CONFIGS:
+    ex, args = test_golden.build(config)
+    seq = gin.query_parameter("model_config.seq_len")
+    batch = ex.shard_batch(np.zeros((args["accum_steps"], args["batch_size"], seq + 1), np.int32))
+    state = ex.init(jax.random.key(0))
+    phases = ["dense"] + list(next((c.phases for c in ex.stateful.values() if c.phases), ()))
+    out[config] = {}
+    for phase in phases:
+      text = normalize(ex.step_fn().lower(state, batch, phase=phase).compile().as_text())
+      out[config][phase] = {"sha256": hashlib.sha256(text.encode()).hexdigest(), "lines": len(text.splitlines())}
+    gin.clear_config()
+    print(config, {p: v["sha256"][:12] for p, v in out[config].items()}, file=sys.stderr, flush=True)
+  return out
+
+
+def compare(a: dict, b: dict) -> dict:
+  programs = [(c, p) for c in sorted(set(a) | set(b)) for p in sorted(set(a.get(c, {})) | set(b.get(c, {})))]
+  differ = [f"{c}/{p}" for c, p in programs if a.get(c, {}).get(p) != b.get(c, {}).get(p)]
+  return {"programs": len(programs), "identical": len(programs) - len(differ), "differ": differ,
+          "lines": sum(v["lines"] for c in a.values() for v in c.values())}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", help="write the fingerprints here")
+  ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two fingerprint files")
+  args = ap.parse_args()
+  if args.compare:
+    a, b = (json.load(open(p)) for p in args.compare)
+    print(json.dumps(compare(a, b), indent=1))
+    return
+  out = fingerprints()
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(out, f, indent=1)
+  print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+  main()
