@@ -4,7 +4,7 @@ import os
 import gin
 import pytest
 
-from zerojax.plan import zeropp
+from zerojax.plan import zero3, zeropp
 from zerojax.train import config, report, trainer  # noqa: F401  (trainer registers the configurables)
 from zerojax.train.state_spec import CheckpointError
 
@@ -33,6 +33,7 @@ def test_plan_names_tell_every_config_apart(clean_gin):
   assert {k: names[k] for k in expected} == expected
   assert report.describe_plan(zeropp(weight_bits=4, weight_block=0, secondary_axes=None, grad_bits=8)) == \
       "zero3+qwZ(int4,per-shard)+qgZ(int8)"
+  assert report.describe_plan(zero3(weight_format="float8_e4m3fn")) == "zero3+gather(float8_e4m3fn)"
 
 
 def test_includes_resolve_against_the_including_file(tmp_path, clean_gin, monkeypatch):

@@ -46,6 +46,8 @@ def _techniques(plan) -> list[str]:
   if f["weight_bits"]:
     parts.append(f"qwZ(int{f['weight_bits']}{'' if f['weight_block'] else ',per-shard'}"
                  f"{',rot' if plan.gather.rotate else ''})")
+  if f["weight_format"]:
+    parts.append(f"gather({f['weight_format']}{'' if f['weight_block'] else ',per-shard'})")
   if f["secondary_axes"]:
     sec = f["secondary_axes"]
     parts.append(f"hpZ({sec if isinstance(sec, int) else ','.join(sec)})")
