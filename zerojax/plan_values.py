@@ -359,8 +359,8 @@ class Schedule:
       numbers either way (to float reassociation). None (the default): on for a mesh of GPUs when the
       parameters are sharded and remat is "full", off on CPUs; `Plan.resolve` decides. On GPUs it is
       what lets the layer loops' collectives overlap compute (`zerojax.gpu_aot`). With remat "dots" /
-      "none" it is opt-in: there the compiled H100 program of zeropp keeps weights gathered outside the
-      backward layer loop alive across it (the per-layer path does not).
+      "none" it is opt-in: there the compiled H100 program can keep the head's gathered weights alive
+      across the backward layer loop (docs/DESIGN.md, "Known debts").
   """
   remat: str | None = None
   prefetch: bool | None = None
