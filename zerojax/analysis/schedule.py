@@ -240,6 +240,9 @@ def _last_use(mod: Module, comp: str, value, pos: dict) -> tuple[int, bool]:
   while frontier:
     instr = frontier.pop()
     for user in mod.users[comp].get(instr.name, []):
+      if instr.opcode == "tuple" and user.opcode == "get-tuple-element" and \
+          instr.operands[_index(user)] not in seen:
+        continue  # another element of a tuple that holds the value (e.g. an activation beside it)
       last = max(last, pos[user.name])
       root = root or user.root
       if _moves(mod, user) and user.name not in seen:
