@@ -19,7 +19,7 @@ def clean_gin():
 @pytest.mark.parametrize("binding,field", [("zero3.param_dtype = 'float32'", "param_dtype"),
                                            ("mics.compute_dtype = 'bfloat16'", "compute_dtype"),
                                            ("zeropp.pad_multiple = 4", "pad_multiple")])
-def test_a_plan_constructor_refuses_the_precision_in_gin(binding, field):
+def test_a_plan_constructor_refuses_a_run_setting_in_gin(binding, field):
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.parse(["configs/zero3.gin"], [binding])
   msg = str(e.value)
@@ -51,6 +51,7 @@ def test_help_advertises_no_plan_precision_and_no_secondary_group():
   text = parameters_help()
   assert "train.param_dtype" in text and "train.compute_dtype" in text and "PLAN.reduce_dtype" in text
   assert "PLAN.param_dtype" not in text and "PLAN.compute_dtype" not in text and "secondary_group" not in text
+  assert "train.pad_multiple" in text and "PLAN.pad_multiple" not in text  # a run setting
 
 
 def test_the_runs_padding_is_the_plans_one_alignment():

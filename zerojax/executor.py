@@ -24,7 +24,7 @@ and updates it through their `init`, `specs`, `body_in`, `sync` and `update`. A 
 step's program on the host (`phase`): each step runs the program of its phase, compiled on first use.
 
 References:
-  ZeRO: Rajbhandari et al. 2020, §5. MiCS: Zhang et al. 2022, §3.3. AMSP: Chen et al. 2023, §3.
+  ZeRO: Rajbhandari et al. 2020, §5. MiCS: Zhang et al. 2022, §3.4. AMSP: Chen et al. 2023, §3.
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ Any plan with replica axes may sparsify its replica all-reduce with Radius (`rep
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5 (stages 1-3).
-  MiCS: Zhang et al. 2022, §3.1 (partition groups), §3.3 (2-hop gradient synchronisation).
+  MiCS: Zhang et al. 2022, §3.1 (partition groups), §3.3 (hierarchical all-gather), §3.4 (2-hop
+    gradient synchronisation).
   ZeRO++: Wang et al. 2023, §3.1 (qwZ), §3.2 (hpZ), §3.3 (qgZ).
   AMSP: Chen et al. 2023, §IV (shard degrees per component).
   Radius: Zheng & Zhang, §4.1 and Algorithm 1 (periodic top-k replica sync).
@@ -35,7 +36,7 @@ from jax.sharding import Mesh
 from zerojax import gpu_aot, mesh as mesh_lib
 from zerojax.mesh import AXES
 from zerojax.plan_values import (Gather, Radius, Reduction, ReplicaSync, Schedule, Sharding,  # noqa: F401
-                                 radius)  # re-exported: plan constructors and gin take them from here
+                                 radius)  # re-exported: `zerojax.plan.radius` is what gin registers
 
 VALUES = {"sharding": Sharding, "gather": Gather, "reduction": Reduction, "sync": ReplicaSync,
           "schedule": Schedule}
@@ -90,16 +91,26 @@ class Plan:
     self._check_across()
 
   def settings(self) -> dict:
-    """Every setting by its field name: `Plan(name, **plan.settings())` is the same plan."""
+    """Every setting by its field name: `Plan(name, **plan.settings())` is the same plan (the shared
+    settings are one value each: `_check_across`)."""
     return _fields_of({v: getattr(self, v) for v in VALUES})
 
   def _check_across(self) -> None:
     """The rules between values: each quantization needs the collective it quantizes, hpZ's group lies
-    inside the parameter group."""
-    s, g = self.sharding, self.gather
+    inside the parameter group, and a setting both quantizing values hold (`rotate` where both quantize,
+    `kernel_backend`) is one setting."""
+    s, g, r = self.sharding, self.gather, self.reduction
     if g.quantized and not s.param_axes:
-      raise ValueError(f"plan {self.name!r}: qwZ (weight_bits) quantizes the parameter all-gather, but "
-                       "param_axes is empty; shard the parameters (e.g. zero3) or drop weight_bits")
+      what = "weight_bits" if g.weight_bits else "weight_format"
+      raise ValueError(f"plan {self.name!r}: {what} quantizes the parameter all-gather, but param_axes is "
+                       f"empty; shard the parameters (e.g. zero3) or drop {what}")
+    if g.weight_bits and r.grad_bits and g.rotate != r.rotate:
+      raise ValueError(f"plan {self.name!r}: Gather(rotate={g.rotate}) but Reduction(rotate={r.rotate}); rotate is "
+                       "one setting of the plan: set it on both values or pass rotate= to the constructor")
+    if g.kernel_backend != r.kernel_backend:
+      raise ValueError(f"plan {self.name!r}: Gather(kernel_backend={g.kernel_backend!r}) but "
+                       f"Reduction(kernel_backend={r.kernel_backend!r}); kernel_backend is one setting of the "
+                       "plan: set it on both values or pass kernel_backend= to the constructor")
     if g.secondary_axes is not None and not isinstance(g.secondary_axes, int) and \
         not isinstance(s.param_axes, int):
       within = lambda a: a in s.param_axes or a.split(".")[0] in s.param_axes
@@ -207,8 +218,8 @@ def _fields_of(values: dict) -> dict:
     out.update({f.name: getattr(values[v], f.name) for f in dataclasses.fields(values[v])
                 if f.name not in SHARED})
   g, r = values["gather"], values["reduction"]
-  out["rotate"] = g.rotate or r.rotate
-  out["kernel_backend"] = g.kernel_backend if g.kernel_backend is not None else r.kernel_backend
+  out["rotate"] = g.rotate or r.rotate  # equal where both quantize (`Plan._check_across`)
+  out["kernel_backend"] = g.kernel_backend  # == r.kernel_backend (`Plan._check_across`)
   return out
 
 

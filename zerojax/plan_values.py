@@ -18,8 +18,9 @@ import math
 from typing import Sequence
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from zerojax import remat
+from zerojax import quantization, remat
 from zerojax.mesh import AXES
 
 Axes = tuple[str, ...] | int  # mesh axes by name, or a group of that many consecutive devices
@@ -94,6 +95,11 @@ def _one_of(value, field: str, allowed: tuple) -> None:
 def _block(value: int, field: str) -> None:
   if value < 0 or value % 2:
     raise ValueError(f"{field}={value} must be an even block size, or 0 for one scale per shard")
+
+
+def _backend(value: str | None) -> None:
+  if value is not None and value not in quantization.BACKENDS:
+    raise ValueError(f"kernel_backend={value!r}; use one of {quantization.BACKENDS} or None (the default backend)")
 
 
 def _rotatable(block: int, field: str) -> None:
@@ -215,10 +221,11 @@ class Gather:
       _rotatable(self.weight_block, "weight_block")
     for f in ("param_dtype", "compute_dtype"):
       _dtype(getattr(self, f), f)
+    _backend(self.kernel_backend)
 
   @property
   def quantized(self) -> bool:
-    """Whether the forward gather moves quantized blocks (qwZ)."""
+    """Whether the forward gather moves quantized blocks (qwZ, or the float8 gather)."""
     return bool(self.weight_bits or self.weight_format)
 
   @property
@@ -292,6 +299,10 @@ class Reduction:
       raise ValueError(f"reduce_via={self.reduce_via!r} with qgZ (grad_bits={self.grad_bits}), which is its "
                        "own 2-hop all-to-all; leave reduce_via='auto'")
     _dtype(self.reduce_dtype, "reduce_dtype")
+    _backend(self.kernel_backend)
+    if self.stochastic_rounding and self.kernel_backend == "triton":
+      raise ValueError("stochastic_rounding=True is not in the triton kernels; use kernel_backend='pallas' or "
+                       "'xla'")
 
   @property
   def hop_bits(self) -> tuple[int, int] | None:

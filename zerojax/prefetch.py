@@ -4,7 +4,7 @@ run beside the current layer's compute (`Schedule.prefetch`).
 `scan_layers(f, params, x)` runs `x = f(params[i], x)` over the layers of a scanned unit. With plain
 params it is `lax.scan`; with a `ShardedUnit` and `prefetch=False` each layer is a `zerojax.unit` call
 (it gathers when it runs). With `prefetch=True` the whole stack is one call of the unit's engine
-(`zerojax.unit.sharded_call`) under the schedule `PREFETCH`, which orders the same components
+(`zerojax.unit.sharded_call`) under the call order `PREFETCH`, which orders the same components
 (`ParamGather.forward`, `call_forward`, `ParamGather.backward`, `call_backward`, `reduce_and_sync`) across layers:
 
 - forward: layer 0 is gathered before the loop; iteration i gathers layer i+1 into the loop carry while

@@ -162,22 +162,22 @@ class CallOrder(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def sharded_call(schedule: CallOrder, f, meta, shards, sinks, state, *args):
-  """The one engine of a unit: `schedule`'s forward and backward as a `jax.custom_vjp` whose
+def sharded_call(order: CallOrder, f, meta, shards, sinks, state, *args):
+  """The one engine of a unit: `order`'s forward and backward as a `jax.custom_vjp` whose
   differentiated inputs are the shards, the gradient sinks, the reduction's state and `args`. The shards' cotangent
   is zero, the sinks' is the reduced gradient, the error-feedback buffers' the new errors."""
   del sinks, state
-  return schedule.forward(f, meta, shards, args, False)[0]
+  return order.forward(f, meta, shards, args, False)[0]
 
 
-def _engine_fwd(schedule, f, meta, shards, sinks, state, *args):
-  out, residual = schedule.forward(f, meta, shards, args, True)
+def _engine_fwd(order, f, meta, shards, sinks, state, *args):
+  out, residual = order.forward(f, meta, shards, args, True)
   return out, (residual, sinks if meta.sync_axes else None, state)
 
 
-def _engine_bwd(schedule, f, meta, residuals, g):
+def _engine_bwd(order, f, meta, residuals, g):
   residual, window, state = residuals
-  dshards, dsinks, error, dargs = schedule.backward(f, meta, residual, window, state, g)
+  dshards, dsinks, error, dargs = order.backward(f, meta, residual, window, state, g)
   seed = None if state[1] is None else np.zeros(state[1].shape, jax.dtypes.float0)
   return (dshards, dsinks, (error, seed), *dargs)
 
@@ -186,7 +186,7 @@ sharded_call.defvjp(_engine_fwd, _engine_bwd)
 
 
 def _one_forward(f, meta, shards, args, differentiated):
-  """The unit's schedule, forward: gather (once its inputs exist), compute, keep the residual: the
+  """The unit's call order, forward: gather (once its inputs exist), compute, keep the residual: the
   primary shard or with hpZ the secondary shard, and `call_forward`'s saved values; never the gathered
   weights."""
   if not differentiated:
@@ -206,7 +206,7 @@ def _scalars(out):
 
 
 def _one_backward(f, meta, residual, window, state, g):
-  """The unit's schedule, backward: re-gather once the cotangent exists, VJP, reduce (and sync)."""
+  """The unit's call order, backward: re-gather once the cotangent exists, VJP, reduce (and sync)."""
   kept, saved, out = residual
   if out is not None:  # on GPUs only; XLA:CPU's program is left as it was
     g = lax.platform_dependent(g, out, cpu=lambda c, o: c, default=ordered_after)

@@ -226,7 +226,7 @@ def _docs(fn, section: str = "Args:") -> dict[str, str]:
 def parameters_help() -> str:
   """The gin parameters `train.py` reads, with their defaults (configs/base.gin overrides some)."""
   from zerojax import plan as plan_lib
-  from zerojax.train import trainer
+  from zerojax.train import gin_registry, trainer
   from zerojax.train.optim import make_optimizer
   rows = []
 
@@ -244,11 +244,14 @@ def parameters_help() -> str:
   add("zeropp", plan_lib.zeropp, docs={"weight_bits": "qwZ: bits of the forward weight gather (None: off)",
                                        "secondary_axes": "hpZ: axes of the secondary shard (None: off)",
                                        "grad_bits": "qgZ: bits of the gradient reduction (None: off)"})
+  shared = {"rotate": "Hadamard-rotate every quantization block, qwZ's and qgZ's (SDP4Bit §3.2); needs "
+                      "weight_bits or grad_bits and power-of-two blocks",
+            "kernel_backend": "quantization kernels, 'xla', 'pallas' or 'triton' (None: the default backend)"}
+  skip = {"param_axes", "grad_axes", "opt_axes", *gin_registry.RUN_SETTINGS}  # axes: the constructors'
   for value in plan_lib.VALUES.values():  # every plan setting, documented by the value that owns it
-    fields = _docs(value, "Attributes:")
+    fields = {**_docs(value, "Attributes:"), **shared}
     for f in dataclasses.fields(value):
-      if f.name not in ("param_axes", "grad_axes", "opt_axes", "param_dtype", "compute_dtype") and \
-          f"PLAN.{f.name} = {f.default!r}" not in (r[0] for r in rows):
+      if f.name not in skip and f"PLAN.{f.name} = {f.default!r}" not in (r[0] for r in rows):
         rows.append((f"PLAN.{f.name} = {f.default!r}", fields.get(f.name, "")))
   width = max(len(r[0]) for r in rows) + 2
   body = "\n".join(f"  {a.ljust(width)}{b}".rstrip() for a, b in rows)
