@@ -114,3 +114,18 @@ def test_prefetch_with_qgz_state():
   loops = rep["gathered_alive"]["layer_loops"]
   assert {e["direction"] for e in loops} == {"forward", "backward"}, loops
   assert all(e["outside_bytes"] == 0 for e in loops), loops
+
+
+@pytest.mark.parametrize("plan,remat", [("zero3", "dots"), ("zeropp", "none")])
+def test_prefetch_is_the_gpu_default_in_every_remat_mode(plan, remat):
+  """With remat "dots" / "none" the default prefetch is on for GPUs: every layer-loop collective is
+  asynchronous with a matmul between its start and done, and nothing gathered outside the layer loops
+  (the head's weights) is alive while they run."""
+  rep = compiled(f"configs/{plan}.gin", (f"{plan}.remat='{remat}'",))["report"]
+  assert rep["prefetch"] is True
+  loop = [c for c in rep["collectives"] if c["in_layer_loop"] and c["role"] in LAYER_ROLES]
+  assert {c["role"] for c in loop} == set(LAYER_ROLES) and all(c["async"] for c in loop), loop
+  assert all(e["overlapped"] == e["in_loop"] for e in rep["overlap"].values()), rep["overlap"]
+  loops = rep["gathered_alive"]["layer_loops"]
+  assert {e["direction"] for e in loops} == {"forward", "backward"}, loops
+  assert all(e["outside_bytes"] == 0 for e in loops), loops

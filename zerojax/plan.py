@@ -185,7 +185,7 @@ class Plan:
                                  hierarchical=hierarchical)
     prefetch = self.schedule.prefetch
     if prefetch is None:  # on GPUs the default (zerojax.gpu_aot): the layer loops' collectives overlap compute
-      prefetch = gpu_aot.is_gpu(mesh) and bool(p) and self.schedule.remat in (None, "full")
+      prefetch = gpu_aot.is_gpu(mesh) and bool(p)
     return Plan(self.name, sharding, gather, self.reduction, self.sync,
                 dataclasses.replace(self.schedule, prefetch=prefetch))
 

@@ -368,10 +368,8 @@ class Schedule:
       backward runs (`zerojax.prefetch`): a schedule of the unit's own engine, so it composes with every
       other field. At most two gathered layers are alive. False: each layer gathers when it runs. Same
       numbers either way (to float reassociation). None (the default): on for a mesh of GPUs when the
-      parameters are sharded and remat is "full", off on CPUs; `Plan.resolve` decides. On GPUs it is
-      what lets the layer loops' collectives overlap compute (`zerojax.gpu_aot`). With remat "dots" /
-      "none" it is opt-in: there the compiled H100 program can keep the head's gathered weights alive
-      across the backward layer loop (docs/DESIGN.md, "Known debts").
+      parameters are sharded (every remat mode), off on CPUs; `Plan.resolve` decides. On GPUs it is what
+      lets the layer loops' collectives overlap compute (`zerojax.gpu_aot`).
   """
   remat: str | None = None
   prefetch: bool | None = None
