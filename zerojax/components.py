@@ -72,31 +72,12 @@ class ParamGather:
                         master)
 
   def forward(self, shards: list, backward: bool = False) -> list:
-    """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ)."""
-    bits = self.bits if (not backward or self.quantize_backward) else None
-    if self.format and (not backward or self.quantize_backward):
-      return self._float8_gather(shards)
-    return comm.all_gather_unit(shards, self.axes, bits=bits, block=self.block, backend=self.backend,
-                                hierarchical=self.hierarchical, rotate=self.rotate and bits is not None)
-
-  def _float8_gather(self, shards: list) -> list:
-    """The packed chunk as float8_e4m3fn blocks and their fp32 scales, gathered as one uint8 buffer and
-    dequantized on arrival (FP8-LM §2.1; qwZ's wire layout, `comm.wire.pack_wire`)."""
-    buf = jnp.concatenate(shards)
-    blocks = buf.astype(jnp.float32).reshape(-1, self.block or buf.shape[0])
-    scale = jnp.max(jnp.abs(blocks), axis=1, keepdims=True) / 448.0  # float8_e4m3fn's largest finite value
-    scale = jnp.where(scale > 0, scale, 1.0)
-    values = lax.bitcast_convert_type((blocks / scale).astype(jnp.float8_e4m3fn), jnp.uint8).reshape(-1)
-    (wire,) = comm.all_gather_unit([comm.pack_wire(values, scale.reshape(-1))], self.axes,
-                                   hierarchical=self.hierarchical)
-    v, s = comm.unpack_wire(wire.reshape(self.degree, -1), values.shape[0], bits=0)  # uint8 values
-    v = lax.bitcast_convert_type(v, jnp.float8_e4m3fn).astype(jnp.float32).reshape(self.degree, -1, blocks.shape[1])
-    full = (v * s[..., None]).reshape(self.degree, -1).astype(buf.dtype)
-    out, off = [], 0
-    for c in (x.shape[0] for x in shards):
-      out.append(full[:, off:off + c].reshape(-1))
-      off += c
-    return out
+    """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ or float8)."""
+    quantize = not backward or self.quantize_backward
+    return comm.all_gather_unit(shards, self.axes, bits=self.bits if quantize else None, block=self.block,
+                                backend=self.backend, hierarchical=self.hierarchical,
+                                rotate=self.rotate and quantize and self.bits is not None,
+                                float8=bool(self.format) and quantize)
 
   def secondary_shards(self, flats: list) -> list:
     """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""

@@ -175,6 +175,26 @@ def _opt(**kw) -> dict:
 
 # --- public API -----------------------------------------------------------------------------------
 
+FLOAT8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_float8(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """`x` (flat, a multiple of `block`) as float8_e4m3fn codes with one fp32 scale per block, max |x| /
+  448 (FP8-LM, Peng et al. 2023, §2.1): `(uint8 codes [n], scales [n / block])`, a zero block scaled by 1."""
+  blocks = x.astype(jnp.float32).reshape(-1, block)
+  scale = jnp.max(jnp.abs(blocks), axis=1, keepdims=True) / FLOAT8_MAX
+  scale = jnp.where(scale > 0, scale, 1.0)
+  codes = jax.lax.bitcast_convert_type((blocks / scale).astype(jnp.float8_e4m3fn), jnp.uint8)
+  return codes.reshape(-1), scale.reshape(-1)
+
+
+def dequantize_float8(codes: jax.Array, scales: jax.Array, block: int, dtype) -> jax.Array:
+  """Inverse of `quantize_float8` over the last axis: `[..., n]` codes and `[..., n / block]` scales."""
+  v = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+  v = v.reshape(*codes.shape[:-1], -1, block) * scales[..., None]
+  return v.reshape(codes.shape).astype(dtype)
+
+
 def quantize(x: jax.Array, bits: int, block: int, *, rotate: bool = False, noise: jax.Array | None = None,
              backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
   """Quantizes `x` block-wise.

@@ -47,19 +47,26 @@ def hierarchical_all_gather(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int | None = None,
                     block: int = 256, backend: str | None = None, hierarchical: bool = False,
-                    rotate: bool = False) -> list[jax.Array]:
+                    rotate: bool = False, float8: bool = False) -> list[jax.Array]:
   """Gathers each leaf's local chunk `[c_i]` over `axes` into its full flat array `[k * c_i]`.
 
   With `bits` (qwZ, ZeRO++ §3.1) the packed chunk is block-quantized, values and scales are gathered,
   and the result is dequantized on arrival into the chunk's dtype. With `hierarchical` a group that
   spans nodes gathers in two stages (MiCS §3.3, `hierarchical_all_gather`); the result is identical.
   With `rotate` each block is Hadamard-rotated before quantization and back after (SDP4Bit §3.2).
+  With `float8` (instead of `bits`) the blocks travel as float8_e4m3fn codes and fp32 scales
+  (`quantization.quantize_float8`, FP8-LM §2.1), in the same wire layout.
   """
   if not axes:
     return list(shards)
   gather = hierarchical_all_gather if hierarchical else (lambda x, ax: all_gather_raw(x, ax, axis=0, tiled=False))
   buf_C = jnp.concatenate(shards)
-  if bits is None:
+  if float8:
+    block = block or buf_C.shape[0]
+    v, s = quantization.quantize_float8(buf_C, block)
+    v_kxV, s_kxS = unpack_wire(gather(pack_wire(v, s), axes), v.shape[0], bits=0)  # uint8 codes as sent
+    buf_kxC = quantization.dequantize_float8(v_kxV, s_kxS, block, buf_C.dtype)
+  elif bits is None:
     buf_kxC = gather(buf_C, axes)
   else:
     block = block or buf_C.shape[0]  # 0: one scale for the whole shard (non-blocked)
