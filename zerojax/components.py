@@ -9,7 +9,7 @@ docs/DESIGN.md, "Components". `compile(plan, mesh)` turns a resolved `Plan`'s va
   A_os \\ A_g, all-reduce over the replicas, or the same all-reduce inside the last backward) —
   `Plan.sync` (a stateful component may replace its all-reduce: `zerojax.stateful`);
 - the schedule: the remat mode and whether scanned units prefetch — `Plan.schedule`.
-The unit (`zerojax.unit`), its prefetch schedule and the executor call these; none reads the plan.
+The unit (`zerojax.unit`), its prefetch call order and the step body call these; none reads the plan.
 Components are the same for every unit: a unit binds them to its leaves in its `UnitMeta`.
 
 References:
