@@ -21,13 +21,20 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+NAME = re.compile(r"%?[A-Za-z_][\w\-]*(?:\.\d+)+")  # an instruction or computation name: `%fusion.3`, `param_0.2168`
+
+
 def normalize(text: str) -> str:
-  """The instructions and computations of an HLO text, without metadata, locations and numbering."""
+  """The instructions and computations of an HLO text, without metadata and source locations, every
+  name renamed in order of first appearance (so which instruction feeds which is kept, and constants'
+  values are untouched)."""
   text = re.sub(r", metadata=\{[^}]*\}", "", text)
   text = re.sub(r", stack_frame_id=\d+", "", text)
   lines = [l for l in text.splitlines() if (" = " in l or l.rstrip().endswith("{") or l.strip() == "}")
            and not l.startswith("HloModule")]
-  return re.sub(r"\.\d+\b", "", "\n".join(lines))
+  names: dict[str, str] = {}
+  rename = lambda m: names.setdefault(m.group(0).lstrip("%"), f"n{len(names)}")
+  return NAME.sub(rename, "\n".join(lines))
 
 
 def fingerprints() -> dict:

@@ -72,7 +72,8 @@ def main(argv=None) -> int:
 
   ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param + ["train.plan=@zero3()"], nodes)
   batch = np.zeros((ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1), np.int32)
-  dtypes = {"param_dtype": ex.plan.gather.param_dtype, "compute_dtype": ex.plan.gather.compute_dtype}
+  dtypes = {"param_dtype": ex.plan.gather.param_dtype, "compute_dtype": ex.plan.gather.compute_dtype,
+            "pad_multiple": ex.plan.sharding.pad_multiple}  # the run's settings, for every candidate
   make = lambda p: type(ex)(ex.model, ex.user_optimizer, dataclasses.replace(p, **dtypes), ex.mesh,
                             accum_steps=ex.accum_steps)
   work = planner.workload(ex)

@@ -274,8 +274,8 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
              "final_eval_loss": _finite(eval_loss), "skipped_steps": int(state.skipped),
              "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if median else None,
              "data": dataset.source, "memory_bytes_per_device": memory_report(ex)["expected"],
-             "plan_fields": {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-                             for k, v in plan.settings().items()}}
+             "plan_fields": {"name": plan.name, **{k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                                                    for k, v in plan.settings().items()}}}
   if ex.planner_rows:
     summary["planner"] = ex.planner_rows
   if lead:
