@@ -5,9 +5,10 @@ number compiles the same programs.
     python benchmarks/hlo_fingerprint.py --out after.json         # at the new one
     python benchmarks/hlo_fingerprint.py --compare before.json after.json
 
-Each config is built as tests/test_golden.py builds it (tiny model, 2 x 4 CPU devices); every program it
-runs (one per phase) is compiled and its optimized HLO reduced to its instructions and computations,
-without metadata, source locations and instruction numbering, then hashed. Prints JSON.
+Each config is built as tests/test_golden.py builds it (`tests/golden_configs.py`: tiny model, 2 x 4 CPU
+devices); every program it runs (one per phase) is compiled and its optimized HLO reduced to its
+instructions and computations, without metadata and source locations, each name renamed in order of
+first appearance, then hashed. Prints JSON.
 """
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ def fingerprints() -> dict:
   import gin
   import jax
   import numpy as np
-  from tests import test_golden
+  from tests import golden_configs
   out = {}
-  for config in test_golden.CONFIGS:
-    ex, args = test_golden.build(config)
+  for config in golden_configs.CONFIGS:
+    ex, args = golden_configs.build(config)
     seq = gin.query_parameter("model_config.seq_len")
     batch = ex.shard_batch(np.zeros((args["accum_steps"], args["batch_size"], seq + 1), np.int32))
     state = ex.init(jax.random.key(0))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pathlib
 import sys
 
 if __name__ == "__main__":  # the same 8 CPU devices as the test session (tests/conftest.py)
@@ -35,27 +34,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-GOLDEN = ROOT / "tests" / "golden"
-CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.gin") if p.stem != "base")  # base: no plan
+from tests.golden_configs import CONFIGS, GOLDEN, OVERRIDES, ROOT, build  # noqa: E402,F401
+
 FAST = ()  # a regression guard of the full suite: every config is marked slow
-OVERRIDES = (
-    "model_config.seq_len = 16", "model_config.d_model = 32", "model_config.num_heads = 2",
-    "model_config.num_layers = 2", "train.steps = 3", "train.batch_size = 16", "train.accum_steps = 2",
-    "radius.dense_steps = 1", "radius.period = 2",
-    f"auto.profile = '{GOLDEN / 'profile_2x4.json'}'",  # a fixed 2 x 4 link profile: a fixed choice
-    "auto.trials = 0",  # trials time plans on this machine: the choice would follow its load
-)
-
-
-def build(config: str):
-  """`configs/<config>.gin` with `OVERRIDES` parsed as `train.py` parses it (gin stays parsed): the
-  executor `train` builds and `train`'s arguments."""
-  from zerojax.cli.account import gin_executor
-  from zerojax.train import trainer
-  gin.clear_config()
-  ex, args, _ = gin_executor([str(ROOT / "configs" / f"{config}.gin")], list(OVERRIDES), trainer.default_num_nodes())
-  return ex, args
 
 
 def digest(tree) -> str:

@@ -13,7 +13,8 @@ VARIANTS = [plans.dp(), plans.zero1(), plans.zero2(), plans.zero3(), plans.mics(
             plans.zeropp(), plans.zeropp(grad_bits=(8, 4), weight_bits=4, rotate=True, grad_error_feedback=True),
             plans.zeropp(rotate=True, grad_bits=None), plans.zeropp(rotate=True, weight_bits=None),
             plans.zero3(weight_format="float8_e4m3fn", kernel_backend="pallas", remat="dots", prefetch=True),
-            plans.amsp(2, 4, 8, replica_sync=plans.radius(density=0.1), sync_in_backward=True, pad_multiple=256),
+            plans.amsp(2, 4, 4, replica_sync=plans.radius(density=0.1), sync_in_backward=True, pad_multiple=256),
+            plans.amsp(2, 4, 8, remat="none"),
             plans.zero3(reduce_dtype="bfloat16", reduce_via="reduce_scatter", compute_dtype="float32")]
 
 
@@ -58,6 +59,16 @@ def test_each_value_refuses_its_own_settings_in_one_line(kw, match):
   with pytest.raises((ValueError, TypeError), match=match) as e:
     plans.zeropp(**kw)
   assert "\n" not in str(e.value)
+
+
+def test_sync_in_backward_needs_gradients_sharded_like_the_optimizer_states():
+  """It all-reduces the reduced gradient shard in the backward; with A_os finer than A_g the window's
+  reduce-scatter must come first, so the setting would be ignored: refused instead."""
+  for make in (lambda: plans.zero1(sync_in_backward=True), lambda: plans.amsp(2, 4, 8, sync_in_backward=True)):
+    with pytest.raises(ValueError, match=r"sync_in_backward=True .* shard finer than grad_axes"):
+      make()
+  assert plans.mics(group_size=4, sync_in_backward=True).sync.sync_in_backward
+  assert plans.dp(sync_in_backward=True).sync.sync_in_backward
 
 
 def test_a_quantized_gather_names_its_own_setting_without_sharded_parameters():

@@ -104,6 +104,10 @@ class Plan:
       what = "weight_bits" if g.weight_bits else "weight_format"
       raise ValueError(f"plan {self.name!r}: {what} quantizes the parameter all-gather, but param_axes is "
                        f"empty; shard the parameters (e.g. zero3) or drop {what}")
+    if self.sync.sync_in_backward and _finer(s.opt_axes, s.grad_axes):
+      raise ValueError(f"plan {self.name!r}: sync_in_backward=True all-reduces each unit's gradient shard inside "
+                       f"the backward, but opt_axes={s.opt_axes} shard finer than grad_axes={s.grad_axes} (the "
+                       "window's reduce-scatter comes first); drop sync_in_backward or shard both alike")
     if g.weight_bits and r.grad_bits and g.rotate != r.rotate:
       raise ValueError(f"plan {self.name!r}: Gather(rotate={g.rotate}) but Reduction(rotate={r.rotate}); rotate is "
                        "one setting of the plan: set it on both values or pass rotate= to the constructor")
@@ -209,6 +213,16 @@ class Plan:
     if secondary is not None and not set(secondary) <= set(self.sharding.param_axes):
       raise ValueError(f"plan {self.name!r}: the hpZ secondary group {secondary} must lie inside the "
                        f"parameter group {self.sharding.param_axes}; use a smaller secondary group")
+
+
+def _finer(opt, grad) -> bool:
+  """Whether optimizer states are sharded over more devices than gradients (False when that depends on
+  the mesh: one named by axes, the other by size)."""
+  if isinstance(opt, int) and isinstance(grad, int):
+    return opt != grad
+  if isinstance(opt, int) or isinstance(grad, int):
+    return False
+  return set(opt) != set(grad)
 
 
 def _fields_of(values: dict) -> dict:

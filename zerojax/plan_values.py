@@ -336,7 +336,7 @@ class ReplicaSync:
       as written). Same sums either way (to float reassociation). Needs every unit called once per
       micro-batch, which is checked at trace time (a model whose layers are traced twice, as flax's
       `nn.scan` does, is refused with a one-line error): opt-in, on in `configs/mics*.gin`. A plan
-      whose A_os is finer than A_g (ZeRO-1, AMSP) syncs after the window.
+      whose A_os is finer than A_g (ZeRO-1, AMSP) reduce-scatters after the window first: refused.
     replica_sync: None, a dense all-reduce; `radius(...)`, Radius's periodic top-k with a residual
       (`Radius`). Radius syncs after the accumulation window (select and sparse steps do not use
       `sync_in_backward`; its dense warm-up steps do).
