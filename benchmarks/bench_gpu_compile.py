@@ -8,6 +8,10 @@ Needs jax's CUDA plugin (`pip install -e '.[gpu-aot]'`); nothing runs on a GPU (
       gathered weights alive, kernels, compiled memory beside memory_report, compile time.
   python benchmarks/bench_gpu_compile.py --llama [--meshes 2x8,8x8] [--plans zero3,zeropp,mics]
       [--out benchmarks/gpu/llama7b.json]
+  python benchmarks/bench_gpu_compile.py --remat dots,none --plans zero3,zeropp
+      each plan under each remat mode, prefetch off and on, on tests/test_gpu_compile.py's small GPT:
+      layer-loop collectives with a matmul between start and done, gathered bytes alive in the layer
+      loops (benchmarks/gpu/remat_prefetch.json).
       a LLaMA-7B-shaped GPT (32 layers, d_model 4096, 32 heads, vocab 32000, sequence 4096, MLP width
       16384 = 4 x d_model: GELU's two matrices hold 12 d^2 per layer, as LLaMA's three SwiGLU matrices of
       width 11008 do to 0.3%; 6.7 B parameters), bf16 compute, remat full, one sequence per device:
@@ -77,6 +81,32 @@ def shipped(out_path: str) -> dict:
           "configs": rows}
 
 
+SMALL = ["model_config.d_model=64", "model_config.seq_len=32", "model_config.num_layers=4", "train.batch_size=8"]
+
+
+def remat_prefetch(plans: list, modes: list) -> dict:
+  """Each plan under each remat mode with prefetch off and on (tests/test_gpu_compile.py's small GPT):
+  per layer-loop role the collectives with a matmul between start and done, and the gathered bytes alive
+  in each layer loop (those gathered outside it separately)."""
+  rows = []
+  for plan in plans:
+    for mode in modes:
+      for prefetch in (False, True):
+        params = SMALL + [f"{plan}.remat='{mode}'", f"{plan}.prefetch={prefetch}"]
+        ex, prog, seconds, _ = compile_config(PLANS[plan], params, 2, 4)
+        rep = compile_cli.report(ex, prog, seconds)
+        rows.append({"plan": plan, "remat": mode, "prefetch": prefetch, "overlap": rep["overlap"],
+                     "layer_loops": rep["gathered_alive"]["layer_loops"]})
+        print(rows[-1], file=sys.stderr, flush=True)
+  overlapped = lambda r: sum(e["overlapped"] for e in r["overlap"].values())
+  in_loop = lambda r: sum(e["in_loop"] for e in r["overlap"].values())
+  total = {p: {"overlapped": sum(overlapped(r) for r in rows if r["prefetch"] is p),
+               "in_loop": sum(in_loop(r) for r in rows if r["prefetch"] is p)} for p in (False, True)}
+  return {"device": "NVIDIA H100 80GB HBM3 (compile-only)", "mesh": "2x4", "jax": jax.__version__,
+          "gpt": SMALL, "rows": rows, "layer_loop_collectives_with_a_matmul": {
+              "prefetch off": total[False], "prefetch on": total[True]}}
+
+
 def llama(meshes: list, plans: list) -> dict:
   rows = []
   for mesh in meshes:
@@ -116,9 +146,14 @@ def main():
   ap.add_argument("--llama", action="store_true", help="the LLaMA-7B-shaped table instead of the shipped configs")
   ap.add_argument("--meshes", default="2x8,8x8")
   ap.add_argument("--plans", default="zero3,zeropp,mics")
+  ap.add_argument("--remat", default=None, help="e.g. dots,none: --plans under these remat modes, prefetch "
+                  "off and on (benchmarks/gpu/remat_prefetch.json)")
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
-  if args.llama:
+  if args.remat:
+    result = remat_prefetch([p for p in args.plans.split(",") if p in PLANS], args.remat.split(","))
+    out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "remat_prefetch.json")
+  elif args.llama:
     result = llama(args.meshes.split(","), args.plans.split(","))
     out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "llama7b.json")
   else:

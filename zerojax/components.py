@@ -217,5 +217,6 @@ def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's com
       stages=r.qgz_stages, rotate=r.rotate, backend=r.kernel_backend, error_feedback=r.grad_error_feedback,
       stochastic_rounding=r.stochastic_rounding, owner=plan.name)
   to_opt, replicas = s.opt_order[len(s.grad_order):], s.replica_axes(mesh)
-  sync = BoundarySync(to_opt, replicas, in_backward=bool(plan.sync.sync_in_backward and replicas and not to_opt))
+  # `Plan` refuses sync_in_backward where A_os is finer than A_g (`to_opt` is then empty).
+  sync = BoundarySync(to_opt, replicas, in_backward=bool(plan.sync.sync_in_backward and replicas))
   return Components(gather, reduction, sync, plan.remat_mode, bool(plan.schedule.prefetch))

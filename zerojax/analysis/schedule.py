@@ -186,7 +186,7 @@ def gathered_alive(hlo_text: str, scheduled: list[Scheduled]) -> dict:
     carried = set()
     root = next((i for i in order if i.root), None)
     for start, done in roots.get(comp, []):
-      last, reaches_root = _last_use(mod, comp, done, pos)
+      last, reaches_root = last_use(mod, comp, done, pos)
       size = arrays(done.shape)
       if reaches_root:
         last = len(order)
@@ -197,7 +197,7 @@ def gathered_alive(hlo_text: str, scheduled: list[Scheduled]) -> dict:
       for instr in order:
         if instr.opcode == "get-tuple-element" and mod.by_name[comp].get(instr.operands[0], instr).opcode == \
             "parameter" and _index(instr) in carried:
-          last, _ = _last_use(mod, comp, instr, pos)
+          last, _ = last_use(mod, comp, instr, pos)
           size = arrays(instr.shape)
           intervals.append((0, last, len(size), nbytes(size)))
     best = (0, 0)
@@ -234,7 +234,7 @@ def _moves(mod: Module, instr) -> bool:
   return instr.opcode == "fusion" and all(i.opcode in _MOVES for c in callees(instr) for i in mod.comps.get(c, []))
 
 
-def _last_use(mod: Module, comp: str, value, pos: dict) -> tuple[int, bool]:
+def last_use(mod: Module, comp: str, value, pos: dict) -> tuple[int, bool]:
   """(position of the last use of `value` through data movement, whether it reaches the root)."""
   last, root, frontier, seen = pos[value.name], value.root, [value], {value.name}
   while frontier:
@@ -245,7 +245,8 @@ def _last_use(mod: Module, comp: str, value, pos: dict) -> tuple[int, bool]:
         continue  # another element of a tuple that holds the value (e.g. an activation beside it)
       last = max(last, pos[user.name])
       root = root or user.root
-      if _moves(mod, user) and user.name not in seen:
+      # A tuple is revisited each time another of its elements turns out to hold the value.
+      if _moves(mod, user) and (user.name not in seen or user.opcode == "tuple"):
         seen.add(user.name)
         frontier.append(user)
   return last, root
