@@ -1,4 +1,5 @@
-"""Quantization error of model weights: block-wise against per-tensor scales, int8 and int4.
+"""Quantization error of model weights: block-wise against per-tensor scales, int8 and int4, and the
+float8 gather's block-wise float8_e4m3fn (`weight_format`).
 
 For every leaf of a params pytree, quantizes it with one scale per block of `--block` elements (the
 ZeRO++ format) and with one scale for the whole leaf (per-tensor), dequantizes, and reports the
@@ -34,6 +35,15 @@ def _errors(x, bits, block, backend):
   return float(jnp.sum(err * err)), float(jnp.max(jnp.abs(err)))
 
 
+def _float8_errors(x, block):
+  """(sum of squared errors, max abs error) of one leaf as float8_e4m3fn blocks (FP8-LM §2.1)."""
+  x32 = jnp.ravel(x).astype(jnp.float32)
+  padded = jnp.pad(x32, (0, -x32.shape[0] % block))
+  codes, scales = Q.quantize_float8(padded, block)
+  err = Q.dequantize_float8(codes, scales, block, jnp.float32)[: x32.shape[0]] - x32
+  return float(jnp.sum(err * err)), float(jnp.max(jnp.abs(err)))
+
+
 def quant_error_report(params, *, block: int = 256, bits=(8, 4), backend: str = "xla") -> dict:
   """Block-wise vs per-tensor quantization error over the leaves of `params`.
 
@@ -50,6 +60,7 @@ def quant_error_report(params, *, block: int = 256, bits=(8, 4), backend: str = 
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   norm2 = 0.0
   totals = {(b, m): [0.0, 0.0] for b in bits for m in ("blockwise", "per_tensor")}
+  f8 = [0.0, 0.0]
   per_leaf = []
   for path, x in leaves:
     x = jnp.asarray(x)
@@ -65,6 +76,10 @@ def quant_error_report(params, *, block: int = 256, bits=(8, 4), backend: str = 
         totals[b, method][0] += sq
         totals[b, method][1] = max(totals[b, method][1], mx)
         row[f"int{b}_{method}_rel_l2"] = float(np.sqrt(sq / x2)) if x2 else 0.0
+    sq, mx = _float8_errors(x, block)
+    f8[0] += sq
+    f8[1] = max(f8[1], mx)
+    row["float8_blockwise_rel_l2"] = float(np.sqrt(sq / x2)) if x2 else 0.0
     per_leaf.append(row)
   report = dict(parameters=int(sum(np.prod(r["shape"]) for r in per_leaf)),
                 leaves=len(per_leaf), block=block)
@@ -74,6 +89,7 @@ def quant_error_report(params, *, block: int = 256, bits=(8, 4), backend: str = 
     entry["per_tensor_over_blockwise_rel_l2"] = (entry["per_tensor"]["rel_l2"] /
                                                  entry["blockwise"]["rel_l2"])
     report[f"int{b}"] = entry
+  report["float8_e4m3fn"] = {"blockwise": dict(rel_l2=float(np.sqrt(f8[0] / norm2)), max_abs=f8[1])}
   report["per_leaf"] = per_leaf
   return report
 

@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from tests.golden_configs import CONFIGS, GOLDEN, OVERRIDES, ROOT, build  # noqa: E402,F401
+from tests.golden_configs import CONFIGS, GOLDEN, build  # noqa: E402
 
 FAST = ()  # a regression guard of the full suite: every config is marked slow
 

@@ -19,6 +19,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -46,7 +47,7 @@ class ParamGather:
     hierarchical: gather across nodes first, then inside the node (MiCS §3.3).
     secondary: hpZ's secondary axes (None: no hpZ); `secondary_degree` the devices along them.
     rotate, backend: Hadamard-rotated blocks; the quantization kernels.
-    format: "float8_e4m3fn": the gather moves 8-bit floats with a scale per `block` (None: off).
+    float8: the gather moves float8_e4m3fn blocks with a scale per `block` instead (`Gather.weight_format`).
   """
   axes: tuple[str, ...]
   to_param: tuple[str, ...]
@@ -61,7 +62,7 @@ class ParamGather:
   secondary_degree: int
   rotate: bool
   backend: str | None
-  format: str | None = None
+  float8: bool = False
 
   def from_master(self, master):
     """The executor's step 0: master shards (over A_os) -> parameter shards (over A_p), in `dtype`."""
@@ -75,9 +76,8 @@ class ParamGather:
     """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ or float8)."""
     quantize = not backward or self.quantize_backward
     return comm.all_gather_unit(shards, self.axes, bits=self.bits if quantize else None, block=self.block,
-                                backend=self.backend, hierarchical=self.hierarchical,
-                                rotate=self.rotate and quantize and self.bits is not None,
-                                float8=bool(self.format) and quantize)
+                                backend=self.backend, hierarchical=self.hierarchical, rotate=self.rotate,
+                                float8=self.float8 and quantize)
 
   def secondary_shards(self, flats: list) -> list:
     """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""
@@ -113,7 +113,6 @@ class GradReduction:
 
   Attributes:
     order: A_g in the order the gradient shards are laid out (`Sharding.grad_order`); `sizes` along it.
-    degree: devices along A_g.
     dtype: the dtype gradients are reduced and accumulated in.
     all_to_all: an unquantized gradient goes by the 2-hop all-to-all instead of `psum_scatter`.
     bits, block, stages: qgZ (None: unquantized); `rotate`, `backend` as for `ParamGather`.
@@ -123,7 +122,6 @@ class GradReduction:
   """
   order: tuple[str, ...]
   sizes: tuple[int, ...]
-  degree: int
   dtype: str
   all_to_all: bool
   bits: int | tuple[int, int] | None
@@ -137,7 +135,8 @@ class GradReduction:
 
   def sinks(self, layout_tree) -> Any:
     """Zero gradient sinks `[padded / |A_g|]` for a tree of `LeafLayout`s."""
-    return jax.tree.map(lambda l: jnp.zeros(l.flat_shape(self.degree), self.dtype), layout_tree,
+    degree = math.prod(self.sizes)
+    return jax.tree.map(lambda l: jnp.zeros(l.flat_shape(degree), self.dtype), layout_tree,
                         is_leaf=lambda x: isinstance(x, LeafLayout))
 
   def __call__(self, grads: Any, leaves: tuple[LeafLayout, ...], state: tuple = (None, None)):
@@ -210,9 +209,9 @@ def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's com
       block=g.weight_block, quantize_backward=g.quantize_backward_gather, hierarchical=bool(g.hierarchical),
       secondary=g.secondary_axes or None,
       secondary_degree=group_size(mesh, g.secondary_axes) if g.secondary_axes else 1,
-      rotate=g.rotate, backend=g.kernel_backend, format=g.weight_format)
+      rotate=g.rotate, backend=g.kernel_backend, float8=g.weight_format == "float8_e4m3fn")
   reduction = GradReduction(
-      order=s.grad_order, sizes=tuple(sizes[a] for a in s.grad_order), degree=group_size(mesh, s.grad_axes),
+      order=s.grad_order, sizes=tuple(sizes[a] for a in s.grad_order),
       dtype=r.reduce_dtype, all_to_all=r.gradient_all_to_all, bits=r.grad_bits, block=r.grad_block,
       stages=r.qgz_stages, rotate=r.rotate, backend=r.kernel_backend, error_feedback=r.grad_error_feedback,
       stochastic_rounding=r.stochastic_rounding, owner=plan.name)
