@@ -38,6 +38,7 @@ if not jax.config.jax_platforms:
 
 import gin  # noqa: E402
 
+from zerojax import gpu_aot  # noqa: E402
 from zerojax.analysis import step_report  # noqa: E402
 from zerojax.analysis.collectives import collectives_from_hlo  # noqa: E402
 from zerojax.cli import compile as compile_cli  # noqa: E402
@@ -57,7 +58,7 @@ def compile_config(config: str, params: list, nodes: int, gpus: int, batch: int 
     ex, args, cfg = compile_cli.gin_executor([config], params, "h100", nodes, gpus)
     b = batch or args["batch_size"]
     b = b if b % ex.world == 0 else ex.world
-    prog, seconds = compile_cli.compile_step(ex, (ex.accum_steps, b, cfg.seq_len + 1))
+    prog, seconds = gpu_aot.compile_step(ex, (ex.accum_steps, b, cfg.seq_len + 1))
     return ex, prog, seconds, b
   finally:
     gin.clear_config()
@@ -115,7 +116,7 @@ def llama(meshes: list, plans: list) -> dict:
       params = LLAMA + (["mics.group_size=None"] if plan == "mics" else [])
       ex, prog, seconds, batch = compile_config(PLANS[plan], params, nodes, gpus, batch=nodes * gpus)
       text = prog.as_text()
-      mem = compile_cli.memory(prog)
+      mem = gpu_aot.memory(prog)
       model = compile_cli.memory_report(ex)["expected"]
       acc = step_report(ex, collectives_from_hlo(text, ex.mesh))
       rep = compile_cli.report(ex, prog, seconds)

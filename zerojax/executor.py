@@ -260,7 +260,7 @@ class Executor:
     out = {n: carried.get(n) for n in self.stateful}
     if syncer is None:
       return jax.tree.map(lambda g: g / denom, acc), loss, aux, mutable, out
-    grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], sync.replicas, denom, phase)
+    grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], denom, phase)
     return grads, loss, aux, mutable, out
 
   def phase(self, state: TrainState) -> str:

@@ -54,7 +54,7 @@ class ErrorFeedback(Stateful):
   def of(cls, plan, mesh, layout, metas):
     if not plan.reduction.grad_error_feedback:
       return None
-    gpus = math.prod(mesh.shape[a] for a in plan.sharding.grad_order if not mesh_lib.is_node_axis(a))
+    gpus = mesh_lib.group_size(mesh, [a for a in plan.sharding.grad_order if not mesh_lib.is_node_axis(a)])
     shapes = {}
     for u, meta in metas.items():
       n = sum(l.padded for l in meta.leaves)

@@ -59,6 +59,14 @@ def check_plugin() -> None:
                         f"{jax.__version__} and nvidia-cuda-nvcc-cu12); install it with: {PIP}")
 
 
+def compile_only_host() -> None:
+  """Prepares this process to compile for compile-only GPUs: its own backend stays the CPU (unless
+  `jax_platforms` is set) and the CUDA plugin must be installed (`PluginMissing` otherwise)."""
+  if not jax.config.jax_platforms:
+    jax.config.update("jax_platforms", "cpu")
+  check_plugin()
+
+
 def devices(target: str, nodes: int, gpus: int) -> list:
   """`nodes` x `gpus` compile-only devices of `target` (topology "1 x nodes x gpus")."""
   from jax.experimental import topologies
@@ -94,10 +102,11 @@ def abstract_inputs(ex, batch_shape):
   return state, jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=ex.batch_sharding)
 
 
-def compile_step(ex, batch_shape):
-  """(compiled train step, seconds to lower and compile) for abstract inputs; nothing runs."""
+def compile_step(ex, batch_shape, phase: str | None = None):
+  """(compiled train step, seconds to lower and compile) for abstract inputs; nothing runs. `phase`:
+  which program of a step with phases (`Executor.step_fn`'s `lower`)."""
   t0 = time.perf_counter()
-  compiled = ex.step_fn().lower(*abstract_inputs(ex, batch_shape)).compile()
+  compiled = ex.step_fn().lower(*abstract_inputs(ex, batch_shape), phase=phase).compile()
   return compiled, time.perf_counter() - t0
 
 

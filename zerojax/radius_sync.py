@@ -122,19 +122,19 @@ class RadiusSync(Stateful):
   def body_out_specs(self, phase):
     return self.specs().residual if phase in self.phases else None
 
-  def sync(self, grads, local, axes, denom, phase):
+  def sync(self, grads, local, denom, phase):
     residual, indices = local
     leaves, treedef = jax.tree.flatten(grads)
     res = [r[0] for r in jax.tree.leaves(residual)]  # this replica's row
     if phase == "select":  # Algorithm 1 lines 8–11
-      leaves, res = comm.radius.dense_all_reduce(leaves, res, axes, denom)
+      leaves, res = comm.radius.dense_all_reduce(leaves, res, self.replicas, denom)
     else:                  # lines 13–17
-      leaves, res = comm.radius.sparse_all_reduce(leaves, res, jax.tree.leaves(indices), axes, denom)
+      leaves, res = comm.radius.sparse_all_reduce(leaves, res, jax.tree.leaves(indices), self.replicas, denom)
     return treedef.unflatten(leaves), treedef.unflatten([r[None] for r in res])
 
   def update(self, state, out, updates, step, finite, phase):
     if phase == "select":  # the update is -lr x Algorithm 2's corrected gradient: rank its magnitude
-      specs = layout_lib.specs(self.layout, self.opt_order)
+      specs = self.specs().indices  # sharded like the master weights
       indices = jax.shard_map(self._select, mesh=self.mesh, in_specs=(specs,), out_specs=specs,
                               check_vma=False)(updates)
       return keep(finite, RadiusState(out, indices, step), state)

@@ -121,10 +121,11 @@ class Stateful(abc.ABC):
     """PartitionSpecs of what the body returns for the component in `phase`."""
     return None
 
-  def sync(self, grads, local, axes: tuple[str, ...], denom, phase: str) -> tuple[Any, Any]:
-    """Inside the body, in a phase of `phases`: the replica sync. `grads` are the local gradient sums
-    (reduced over A_os), `local` what `body_in` passed, `axes` the replica axes, `denom` devices x
-    micro-batches; returns the mean gradients and the body's output for the component."""
+  def sync(self, grads, local, denom, phase: str) -> tuple[Any, Any]:
+    """Inside the body, in a phase of `phases`: the replica sync (over the replica axes the component
+    was built with). `grads` are the local gradient sums (reduced over A_os), `local` what `body_in`
+    passed, `denom` devices x micro-batches; returns the mean gradients and the body's output for the
+    component."""
     raise TypeError(f"{type(self).__name__} names phases {self.phases} but defines no sync for them")
 
   def update(self, state, out, updates, step, finite, phase: str) -> Any:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import numpy as np
-
+from zerojax import gpu_aot
 from zerojax.analysis.collectives import Collective, collectives_from_hlo
 from zerojax.analysis.wire_model import summarize
 
@@ -27,13 +25,8 @@ def step_hlo(executor, batch_shape: tuple[int, int, int] | None = None, phase: s
       exactly the program that trains.
     phase: with Radius, which step's program: "dense", "select" or "sparse" (None: "sparse").
   """
-  state = jax.eval_shape(executor.init, jax.random.key(0))
-  state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state,
-                       executor.shardings(state))
   batch_shape = tuple(batch_shape or (executor.accum_steps, executor.world, 2))
-  executor.check_batch(batch_shape)
-  batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=executor.batch_sharding)
-  return executor.step_fn().lower(state, batch, phase=phase).compile().as_text()
+  return gpu_aot.compile_step(executor, batch_shape, phase)[0].as_text()
 
 
 def step_collectives(executor, batch_shape: tuple[int, int, int] | None = None, *,

@@ -15,10 +15,8 @@ import argparse
 import json
 import sys
 
-import jax
-
 from zerojax import gpu_aot
-from zerojax.gpu_aot import compile_step, memory  # noqa: F401  (the compile tooling's, re-exported)
+from zerojax.gpu_aot import compile_step, memory
 from zerojax.cli import account
 from zerojax.analysis import collectives_from_hlo
 from zerojax.analysis.schedule import (gathered_alive, kernel_counts, merged_backward_gathers, overlap_summary,
@@ -96,14 +94,12 @@ def main(argv=None) -> int:
   ap.add_argument("--dump_hlo", default=None, help="write the scheduled GPU program here")
   ap.add_argument("--json", action="store_true", help="print the report as JSON")
   args = ap.parse_args(argv)
-  if not jax.config.jax_platforms:  # the host backend stays the CPU; the GPUs are compile-only
-    jax.config.update("jax_platforms", "cpu")
   try:
     nodes, gpus = (int(v) for v in args.mesh.lower().split("x"))
   except ValueError:
     ap.error(f"--mesh {args.mesh!r} is not NODESxGPUS; use e.g. 2x4")
   try:
-    gpu_aot.check_plugin()
+    gpu_aot.compile_only_host()
     ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param, args.target, nodes, gpus)
   except (gpu_aot.PluginMissing, ValueError) as e:
     raise SystemExit(f"error: {e}") from None

@@ -51,13 +51,10 @@ def main(argv=None) -> int:
   if args.compiled_top < 1:
     ap.error(f"--compiled_top {args.compiled_top}: compile at least one plan, e.g. --compiled_top 3")
   if args.compiled_memory:
-    import jax
     try:
-      gpu_aot.check_plugin()
+      gpu_aot.compile_only_host()
     except gpu_aot.PluginMissing as e:
       raise SystemExit(f"error: --compiled_memory {args.compiled_memory}: {e}") from None
-    if not jax.config.jax_platforms:  # the host backend stays the CPU; the GPUs are compile-only
-      jax.config.update("jax_platforms", "cpu")
   try:
     nodes, gpus = (int(v) for v in args.mesh.lower().split("x"))
   except ValueError:
@@ -68,13 +65,13 @@ def main(argv=None) -> int:
 
   from zerojax import planner
   from zerojax.cli.account import gin_executor
+  from zerojax.train import trainer
   from zerojax.planner import compute as compute_lib, profile as profile_lib
 
   ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param + ["train.plan=@zero3()"], nodes)
   batch = np.zeros((ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1), np.int32)
-  dtypes = {"param_dtype": ex.plan.gather.param_dtype, "compute_dtype": ex.plan.gather.compute_dtype,
-            "pad_multiple": ex.plan.sharding.pad_multiple}  # the run's settings, for every candidate
-  make = lambda p: type(ex)(ex.model, ex.user_optimizer, dataclasses.replace(p, **dtypes), ex.mesh,
+  run = {k: ex.plan.settings()[k] for k in trainer.RUN_SETTINGS}  # the run's settings, for every candidate
+  make = lambda p: type(ex)(ex.model, ex.user_optimizer, dataclasses.replace(p, **run), ex.mesh,
                             accum_steps=ex.accum_steps)
   work = planner.workload(ex)
   world = nodes * gpus
@@ -102,7 +99,7 @@ def main(argv=None) -> int:
     from zerojax.planner import compiled
     memory_of = lambda pt: compiled.memory(pt, ex.model, cfg.seq_len, nodes, gpus, args.compiled_memory,
                                            accum=ex.accum_steps, batch_per_device=train_args["batch_size"] // world,
-                                           optimizer=ex.user_optimizer, **dtypes)
+                                           optimizer=ex.user_optimizer, **run)
     rows = compiled.check_rows(rows, memory_of, cap, args.compiled_top)
   try:
     best = planner.choose(rows, cap)

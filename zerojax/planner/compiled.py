@@ -35,8 +35,7 @@ def executor(point: Point, model: Model, nodes: int, gpus: int, target: str, *, 
   """The executor of `point` for `model` on `nodes` x `gpus` compile-only `target` GPUs;
   `plan_fields` set the plan's other fields (e.g. `remat`, `reduce_dtype`, `compute_dtype`); the
   optimizer is AdamW (fp32 moments) unless given."""
-  gpu_aot.check_plugin()
-  mesh = mesh_lib.make_mesh(nodes, devices=gpu_aot.devices(target, nodes, gpus))
+  mesh = mesh_lib.make_mesh(nodes, devices=gpu_aot.devices(target, nodes, gpus))  # checks the plugin
   plan = point.plan(nodes, gpus, **{"pad_multiple": PAD_MULTIPLE, **plan_fields})
   return Executor(model, optimizer or optax.adamw(1e-4), plan, mesh, accum_steps=accum)
 
