@@ -1,21 +1,29 @@
-"""Strict test environment: 8 simulated CPU devices, rank promotion raises."""
+"""Strict test environment: 8 simulated CPU devices (the GPU where a run selects the `gpu` tests,
+`tests/platforms.py`), rank promotion raises."""
 import os
 import tempfile
 
+from tests import platforms  # no jax import
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A persistent compilation cache shared by this process and the train.py processes the tests start (they
 # inherit the environment): identical programs compile once per machine (ZEROJAX_TEST_CACHE=0: off).
 if os.environ.get("ZEROJAX_TEST_CACHE", "1") != "0":
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "zerojax-test-jax-cache"))
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_numpy_rank_promotion", "raise")
+
+def pytest_configure(config):
+  # Before any backend starts (test modules are imported later); train.py subprocesses inherit it.
+  os.environ["JAX_PLATFORMS"] = platforms.choose(os.environ, config.getoption("markexpr", ""))
+  import jax
+  jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+  jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 def _has_gpu() -> bool:
+  import jax
   try:
     return any(d.platform == "gpu" for d in jax.devices("gpu"))
   except RuntimeError:

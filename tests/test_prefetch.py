@@ -178,6 +178,31 @@ def test_prefetch_refuses_layers_called_one_by_one():
     ex.step_fn().lower(state, ex.shard_batch(fm.batch(16)))
 
 
+def test_default_prefetch_never_breaks_a_flax_scan_model(monkeypatch):
+  """The GPU default (prefetch=None resolved on for a GPU mesh, emulated here) is not applied to a unit
+  whose layers flax calls one by one: it trains per layer, the same bits as prefetch=False, and the
+  executor names the unit; only an explicit prefetch=True refuses (above)."""
+  net = fm.Net()
+  model = zerojax.from_linen(net, jax.tree.map(lambda x: x[:2], fm.batch()), fm.loss_fn, units=(fm.Block,),
+                             mutable=("batch_stats",), rngs=("dropout",))
+  mesh, batch = zerojax.make_mesh(2, 4), fm.batch(16)
+
+  def one_step(plan):
+    ex = zerojax.Executor(model, helpers.optimizer("sgd"), plan, mesh)
+    state, m = ex.step_fn()(ex.init(jax.random.key(0)), ex.shard_batch(batch))
+    return ex, float(m.loss), jax.tree.map(np.asarray, state.params)
+
+  _, loss_off, params_off = one_step(zerojax.zero3(prefetch=False))
+  from zerojax import gpu_aot
+  monkeypatch.setattr(gpu_aot, "is_gpu", lambda mesh: True)
+  ex, loss, params = one_step(zerojax.zero3())
+  assert ex.plan.schedule.prefetch and ex.components.prefetch  # the GPU default is on ...
+  assert list(ex.prefetch_fallbacks()) == [u for u in ex.model.scanned]  # ... and this unit runs per layer
+  assert "called one by one" in next(iter(ex.prefetch_fallbacks().values()))
+  assert loss == loss_off
+  jax.tree.map(np.testing.assert_array_equal, params, params_off)
+
+
 def test_prefetch_must_be_a_bool():
   with pytest.raises(ValueError, match="prefetch"):
     zerojax.zero3(prefetch="yes")

@@ -77,6 +77,7 @@ class Executor:
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
                accum_steps: int = 1):
     plan.check_groups(mesh)
+    prefetch_optional = plan.schedule.prefetch is None  # the platform's default, not the user's setting
     mesh = mesh_lib.factor(mesh, plan.groups())  # groups of k consecutive devices become mesh axes
     plan = plan.resolve(mesh)
     plan.validate(mesh)
@@ -101,7 +102,7 @@ class Executor:
     for u in tree:
       leaves, treedef = jax.tree.flatten(tree[u], is_leaf=layout_lib.is_layout)
       self._metas[u] = UnitMeta(c.gather, c.reduction, c.remat, c.prefetch, sizes, treedef, tuple(leaves),
-                                scanned=u in model.scanned)
+                                scanned=u in model.scanned, prefetch_optional=prefetch_optional)
     self.stateful = stateful_components(plan, mesh, self.layout, self._metas)  # {TrainState field: component}
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
@@ -189,6 +190,14 @@ class Executor:
   def user_layout(self):
     """The `LeafLayout`s in the user's tree (what the optimizer and its states are named by)."""
     return self.to_user(self.layout.tree())
+
+  def prefetch_fallbacks(self) -> dict[str, str]:
+    """`{unit: why}` for the scanned units that run per layer although the plan prefetches by default
+    (their layers are called one by one: flax `nn.scan`, a `lax.scan` of `zerojax.unit`); known once a
+    step or eval program has been traced. An explicit `prefetch=True` raises for such a unit instead."""
+    return {u: f"its layers are called one by one by {m.fallbacks[0]} (not zerojax.scan_layers): each "
+               "layer gathers when it runs (prefetch off for this unit)"
+            for u, m in self._metas.items() if m.fallbacks}
 
   # -- the step --------------------------------------------------------------------------------------
   def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None) -> dict:

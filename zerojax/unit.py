@@ -48,6 +48,9 @@ class UnitMeta:
   Attributes:
     gather, reduction: the unit's `ParamGather` and `GradReduction`.
     remat: the remat mode (`Schedule.remat` resolved); `prefetch` whether `scan_layers` prefetches.
+    prefetch_optional: prefetch is the platform's default, not the user's setting: a scanned unit whose
+      layers are called one by one (flax `nn.scan`, a user's `lax.scan`) runs per layer instead of
+      raising, and the call is recorded in `fallbacks`.
     axis_sizes: the mesh's `(axis, size)` pairs.
     treedef, leaves: the unit's parameter tree and its leaves' layouts.
     sync_axes: MiCS §3.4 overlapped: in the last micro-step of a window, the backward also all-reduces
@@ -63,7 +66,9 @@ class UnitMeta:
   leaves: tuple[LeafLayout, ...]
   sync_axes: tuple[str, ...] = ()
   scanned: bool = False
+  prefetch_optional: bool = False
   calls: list = dataclasses.field(default_factory=list, init=False, compare=False, hash=False, repr=False)
+  fallbacks: list = dataclasses.field(default_factory=list, compare=False, hash=False, repr=False)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -293,7 +298,9 @@ def unit(f: Callable) -> Callable:
   @functools.wraps(f)
   def apply(params, *args, **kwargs):
     if isinstance(params, ShardedUnit):
-      if params.meta.prefetch and params.meta.scanned:
+      if params.meta.prefetch and params.meta.scanned and params.meta.prefetch_optional:
+        params.meta.fallbacks.append(getattr(f, "__qualname__", repr(f)))  # per layer, as prefetch=False
+      elif params.meta.prefetch and params.meta.scanned:
         raise ValueError(f"prefetch=True: a scanned unit's layers are called one by one (lax.scan or "
                          f"flax nn.scan) by {getattr(f, '__qualname__', f)}; run the stack with "
                          "zerojax.scan_layers(f, params, x), or set prefetch=False")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The run kit for a machine with NVIDIA GPUs, in one command: bash benchmarks/gpu/run.sh [OUT_DIR]
-#   1. the GPU-marked tests (`gpu`: run on the GPU; `gpu_compile`: the compile-only schedule checks);
+#   1. the GPU-marked tests (`gpu`: run on the GPU -> OUT_DIR/gpu_tests.txt; `gpu_compile`: the compile-only
+#      schedule checks, on the CPU host);
 #   2. bench_kernels.py for every backend the device runs (xla, pallas, triton) -> OUT_DIR/kernels.json
 #      (device, jax, rows of op/backend/bits/elements/gbps/ratio_to_copy; outputs checked bitwise across backends);
 #   3. a profiled train step of configs/zeropp.gin -> OUT_DIR/profile/ (a jax.profiler trace for
@@ -14,7 +15,10 @@ PY="${PYTHON:-python}"
 status=0
 
 echo "== GPU tests"
-env -u JAX_PLATFORMS "$PY" -m pytest -q -m "gpu or gpu_compile" tests/ || status=1
+# `-m gpu` selects the GPU platform (tests/platforms.py); the compile-only checks run on the CPU host.
+env -u JAX_PLATFORMS "$PY" -m pytest -q -n 0 -m gpu -rA tests/ 2>&1 | tee "$OUT/gpu_tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+env -u JAX_PLATFORMS "$PY" -m pytest -q -m gpu_compile tests/ || status=1
 
 echo "== kernels"
 env -u JAX_PLATFORMS "$PY" benchmarks/bench_kernels.py --out "$OUT/kernels.json" || status=1

@@ -238,6 +238,9 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       dt = time.perf_counter() - t0
       if step > start_step:  # the first step includes compilation
         times.append(dt)
+      elif ex.prefetch_fallbacks():
+        for u, why in ex.prefetch_fallbacks().items():  # said once: a default the model cannot use
+          _say(f"unit {u!r}: {why}")
       step += 1
       in_a_row = 0 if finite else in_a_row + 1
       if in_a_row >= max_consecutive_skips:
@@ -278,6 +281,8 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
                                                     for k, v in plan.settings().items()}}}
   if ex.planner_rows:
     summary["planner"] = ex.planner_rows
+  if ex.prefetch_fallbacks():
+    summary["prefetch_fallbacks"] = ex.prefetch_fallbacks()
   if lead:
     report.write_json(os.path.join(workdir, "summary.json"), summary)
     if log.rows:

@@ -1,0 +1,32 @@
+"""Which JAX platforms a test run uses (no jax import: read before jax initializes its backends).
+
+CPU (8 simulated devices) is the default; a run that selects the `gpu` tests (`-m gpu`, `-m "gpu or ..."`)
+runs on the GPU, with the CPU beside it for host-side references; a JAX_PLATFORMS the caller set wins.
+`benchmarks/gpu/run.sh` runs its `gpu` tests so (tests/test_platforms.py checks the kit's own call).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+GPU = "cuda,cpu"
+CPU = "cpu"
+
+
+def selects_gpu(markexpr: str) -> bool:
+  """Whether a `-m` expression selects the `gpu` marker positively (`gpu_compile` and `not gpu` do not)."""
+  return re.search(r"(?<!not )(?<![\w])gpu(?![\w])", markexpr or "") is not None
+
+
+def has_nvidia_driver() -> bool:
+  """An NVIDIA driver's device node (no jax backend started to find out)."""
+  return os.path.exists("/dev/nvidiactl")
+
+
+def choose(environ: dict, markexpr: str, gpu_present: bool | None = None) -> str:
+  """JAX_PLATFORMS for a pytest run with `-m markexpr` under `environ`: the GPU only where the run asks
+  for `gpu` tests and a GPU is present (elsewhere they skip, on CPU)."""
+  if environ.get("JAX_PLATFORMS"):
+    return environ["JAX_PLATFORMS"]
+  present = has_nvidia_driver() if gpu_present is None else gpu_present
+  return GPU if selects_gpu(markexpr) and present else CPU
