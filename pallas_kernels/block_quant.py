@@ -4,17 +4,18 @@ Which of the two is chosen by the platform the program is lowered for (`per_plat
 by the host's default device: a program compiled on a CPU host for GPUs gets Triton kernels.
 
 Every kernel works on a tile of R blocks, i.e. a [R, B] slice of the [M, B] view of the data, and
-repeats the reference arithmetic of `zerojax.quantization` operation for operation so that results
-agree bit for bit: scale = absmax / qmax (rounded up to 17 significant bits),
-code = clip(round_half_even(x / scale)), value = code * scale, fp32 sums in slab order. When int4
+computes the format of `pallas_kernels.block_format` with its functions, so that results agree bit for
+bit with the xla backend: scale = absmax * fp32(1 / qmax) rounded up to 16 significant bits, codes the
+exactly rounded |x| / scale (a division's estimate corrected by exact comparisons), value = code *
+scale, fp32 sums in slab order. When int4
 is involved a tile is split into its even and odd elements (two "lanes" read with stride 2), which
 are exactly the low and high nibbles of the packed bytes; absmax is the max over both lanes, which
 is the same number.
 
-On GPU, fp32 division and rounding are written as PTX with explicit round-to-nearest (`div.rn`,
-`cvt.rni`): Triton's `/` is the approximate `div.full`, and Pallas has no Triton lowering for
-`round`. Products `code * scale` are exact (scales carry 17 significant bits), so FMA contraction of
-the fp32 sums cannot change a bit.
+On GPU, the estimate's division and rounding are PTX with explicit round-to-nearest (`div.rn`,
+`cvt.rni`; Pallas has no Triton lowering for `round`), which also makes stochastic rounding's
+`floor(x / scale + u)` match the CPU. Products `code * scale` are exact (16-bit scales), so FMA
+contraction of the fp32 sums cannot change a bit.
 
 References:
   ZeRO++: Wang et al. 2023, §4.2 (quantization kernels; reorder+quantize fusion; dequantize +
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import hadamard
+from pallas_kernels import block_format, hadamard
 from pallas_kernels import per_platform
 
 # Elements per grid step: in interpret mode as many as memory allows (each step is an iteration of
@@ -37,10 +38,6 @@ from pallas_kernels import per_platform
 # Triton-sized tile when compiled.
 _INTERPRET_TILE = 1 << 22
 _GPU_TILE = 1 << 12
-
-
-def _qmax(bits: int) -> float:
-  return {8: 127.0, 4: 7.0}[bits]
 
 
 # --- scalar arithmetic, IEEE round-to-nearest on every backend ------------------------------------
@@ -68,13 +65,6 @@ class _Ops:
 
   def floor(self, a):
     return _asm("cvt.rmi.f32.f32", a) if self.gpu else jnp.floor(a)
-
-
-def _trim_scale(scale):
-  """Same as `zerojax.quantization.trim_scale`: round up to 17 significant bits."""
-  b = lax.bitcast_convert_type(scale, jnp.uint32)
-  b = (b + jnp.uint32(0x7F)) & jnp.uint32(0xFFFFFF80)
-  return lax.bitcast_convert_type(b, jnp.float32)
 
 
 # --- tile helpers: a tile is a tuple of lanes, (all,) or (even, odd) ------------------------------
@@ -118,18 +108,18 @@ def _dequant(codes, scale_R):
 
 def _quant(xs, bits: int, ops: _Ops, us=None):
   """fp32 lanes [R, *] -> (int32 code lanes, scales [R]); `us`: noise lanes, stochastic rounding."""
-  qmax = _qmax(bits)
   amax = None
   for x in xs:
     m = jnp.max(jnp.where(x != x, jnp.inf, jnp.abs(x)), axis=1)
     amax = m if amax is None else jnp.maximum(amax, m)
-  scale = _trim_scale(ops.div(amax, jnp.full(amax.shape, qmax, jnp.float32)))
-  ok = ((scale > 0) & (scale < jnp.inf))[:, None]
+  scale = block_format.scale_of(amax, bits)
+  s = scale[:, None]
   codes = []
   for i, x in enumerate(xs):
-    y = ops.div(x, jnp.broadcast_to(scale[:, None], x.shape))
-    q = ops.rint(y) if us is None else ops.floor(y + us[i])
-    q = jnp.where(ok, jnp.clip(q, -qmax, qmax), 0.0)
+    if us is None:
+      q = block_format.nearest_codes(x, s, bits, ops.rint(ops.div(jnp.abs(x), jnp.broadcast_to(s, x.shape))))
+    else:
+      q = block_format.stochastic_codes(ops.floor(ops.div(x, jnp.broadcast_to(s, x.shape)) + us[i]), s, bits)
     codes.append(q.astype(jnp.int32))
   return tuple(codes), scale
 

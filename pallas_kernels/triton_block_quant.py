@@ -1,8 +1,9 @@
 """Triton kernels for block-wise quantization, called through jax-triton (CUDA GPUs only).
 
 The same operations and the same arithmetic as `pallas_kernels.block_quant` and the reference in
-`zerojax.quantization`: scale = absmax / qmax (`div_rn`) rounded up to 17 significant bits,
-code = clip(rint(x / scale)), value = code * scale (exact), fp32 sums in slab order. Each program
+`zerojax.quantization` (the format of `pallas_kernels.block_format`, written again in Triton): scale =
+absmax * fp32(1 / qmax) rounded up to 16 significant bits, codes the exactly rounded |x| / scale,
+value = code * scale (exact), fp32 sums in slab order. Each program
 handles ROWS blocks of B elements; int4 tiles are handled as even/odd lanes (the low/high nibbles).
 The reordering of qgZ is a row map: output row (s, g, n, j) reads input row (n, g, s, j), so the
 fused kernel costs what a plain quantization of contiguous data costs.
@@ -35,7 +36,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import per_platform
+from pallas_kernels import block_format, per_platform
 
 CC_ENV = "ZEROJAX_TRITON_COMPUTE_CAPABILITY"
 PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
@@ -128,13 +129,15 @@ def _kernels():
   Triton resolves the names a kernel uses in its module's globals, so the lazily imported modules
   and the helper kernels are bound there.
   """
-  global tl, libdevice, _abs_or_inf, _scale, _codes, _load_lane, _store_lane, _store_codes
+  global tl, libdevice, TRIM_ADD, TRIM_MASK, MIN_SCALE, _abs_or_inf, _scale, _codes, _load_lane, _store_lane, _store_codes
   import triton
   import triton.language as tl
   try:
     from triton.language.extra import libdevice
   except ImportError:
     from triton.language.extra.cuda import libdevice
+  TRIM_ADD, TRIM_MASK = tl.constexpr(block_format.TRIM_ADD), tl.constexpr(block_format.TRIM_MASK)
+  MIN_SCALE = tl.constexpr(block_format.MIN_SCALE)
 
   @triton.jit
   def _abs_or_inf(x):
@@ -142,14 +145,25 @@ def _kernels():
 
   @triton.jit
   def _scale(amax, QMAX: tl.constexpr):
-    s = tl.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-    b = (s.to(tl.uint32, bitcast=True) + 0x7F) & 0xFFFFFF80
-    return b.to(tl.float32, bitcast=True)
+    # block_format.scale_of: up16(amax * fp32(1 / qmax)), 0 below 2^-125.
+    r = tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.full(amax.shape, QMAX, tl.float32))
+    b = ((amax * r).to(tl.uint32, bitcast=True) + TRIM_ADD) & TRIM_MASK
+    s = b.to(tl.float32, bitcast=True)
+    return tl.where(s >= MIN_SCALE, s, 0.0)
 
   @triton.jit
   def _codes(x, scale, ok, QMAX: tl.constexpr):
-    q = libdevice.rint(tl.div_rn(x, scale[:, None]))
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    # block_format.nearest_codes: the estimate rint(|x| / s) corrected by exact midpoint comparisons.
+    s = scale[:, None]
+    a = tl.abs(x)
+    k = tl.minimum(tl.maximum(libdevice.rint(tl.div_rn(a, s)), 0.0), QMAX)
+    half = s * 0.5
+    lo = (k + k - 1.0) * half
+    hi = (k + k + 1.0) * half
+    odd = (k.to(tl.int32) & 1) == 1
+    k = k - ((a < lo) | ((a == lo) & odd)).to(tl.float32) + ((a > hi) | ((a == hi) & odd)).to(tl.float32)
+    k = tl.minimum(tl.maximum(k, 0.0), QMAX)
+    q = tl.where(x < 0, -k, k)
     return tl.where(ok[:, None], q, 0.0).to(tl.int32)
 
   @triton.jit

@@ -1,17 +1,20 @@
 """Block-wise symmetric quantization for ZeRO++ communication (qwZ and qgZ).
 
-Format (docs/DESIGN.md, "Quantized formats"): the input is flattened in C order, zero-padded to a
-multiple of `block`, and cut into blocks of `block` contiguous elements. Each block has one fp32
-scale `absmax(block) / qmax` (qmax = 127 for int8, 7 for int4), rounded up to 17 significant bits,
-and codes `clip(round_half_even(x / scale), -qmax, qmax)`. int8 codes are stored as `int8`; int4
-codes are two's-complement nibbles packed two per `uint8`, element 2i in the LOW nibble and element
-2i+1 in the HIGH nibble. Dequantization is `code * scale` in fp32, cast to the requested dtype.
+Format (docs/quantization.md; the arithmetic in `pallas_kernels.block_format`): the input is flattened in
+C order, zero-padded to a multiple of `block`, and cut into blocks of `block` contiguous elements. Each
+block has one fp32 scale `absmax * fp32(1 / qmax)` (qmax = 127 for int8, 7 for int4) rounded up to 16
+significant bits (0 below 2^-125), and codes: the integer nearest to the real quotient `x / scale`, ties
+to even, clipped to qmax. int8 codes are stored as `int8`; int4 codes are two's-complement nibbles packed
+two per `uint8`, element 2i in the LOW nibble and element 2i+1 in the HIGH nibble. Dequantization is
+`code * scale` in fp32 (exact: at most 7 + 16 significant bits), cast to the requested dtype.
 
-Why 17 bits: a code has at most 7 significant bits, so `code * scale` is then exact in fp32.
-Compilers contract `acc + code * scale` into a fused multiply-add wherever their fusion decisions
-allow (XLA on CPU does), and with an exact product the FMA and the separate multiply-add round
-identically; sums of dequantized slabs are therefore the same bits in every backend, fused or not.
-Rounding up keeps |x / scale| <= qmax; the step grows by at most 2**-16 relative.
+The value does not depend on how a compiler divides: the scale is one IEEE multiplication, and a code
+is any division's estimate corrected by exact comparisons with the midpoints `(2k +- 1) * scale / 2`
+(exact fp32 numbers with 16-bit scales). So the xla, pallas and triton backends give the same bits, on
+CPUs and on GPUs (where XLA's fp32 division is not correctly rounded). Compilers contract
+`acc + code * scale` into a fused multiply-add where they like; with an exact product the FMA rounds
+like a separate multiply and add, so sums of dequantized slabs (fp32, slab 0 first) are the same bits
+in every backend too.
 
 Non-finite inputs: a block holding NaN or +-Inf gets scale = +inf and codes 0, so it dequantizes to
 NaN (0 * inf) and the step's non-finite check catches it; an all-zero block gets scale 0 and codes 0
@@ -44,7 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import hadamard
+from pallas_kernels import block_format, hadamard
+from pallas_kernels.block_format import qmax_of, trim_scale  # noqa: F401  (the format's public names)
 
 Backend = Literal["xla", "pallas", "triton"]
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
@@ -57,15 +61,6 @@ def default_backend() -> str:
   if name not in BACKENDS:
     raise ValueError(f"{ENV_VAR}={name!r}; expected one of {BACKENDS}")
   return name
-
-
-def qmax_of(bits: int) -> int:
-  """Largest code magnitude: 127 for int8, 7 for int4 (symmetric ranges, -128 and -8 unused)."""
-  if bits == 8:
-    return 127
-  if bits == 4:
-    return 7
-  raise ValueError(f"bits={bits}; only 8 and 4 are supported")
 
 
 def packed_len(elements: int, bits: int) -> int:
@@ -105,28 +100,21 @@ def _kernels(name: str):
 
 # --- the reference ("xla") arithmetic, on [rows, block] tiles ------------------------------------
 
-def trim_scale(scale: jax.Array) -> jax.Array:
-  """Rounds non-negative fp32 scales up to 17 significant bits (+inf and 0 stay as they are)."""
-  b = lax.bitcast_convert_type(scale, jnp.uint32)
-  b = (b + jnp.uint32(0x7F)) & jnp.uint32(0xFFFFFF80)
-  return lax.bitcast_convert_type(b, jnp.float32)
-
-
 def _quantize_rows(x_MxB: jax.Array, bits: int, rotate: bool = False,
                    noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """[M, B] floats -> (codes int32 [M, B], scales fp32 [M]); rows rotated first with `rotate`,
   rounded stochastically (`floor(x / scale + u)`) with `noise` u [M, B] in (0, 1)."""
-  qmax = float(qmax_of(bits))
   x = x_MxB.astype(jnp.float32)
   if rotate:
     x = hadamard.fwht_rows(x, hadamard.scales(x.shape[1])[0])
   # NaN -> inf so that the block's absmax (and scale) is inf whatever max does with NaN.
   amax_M = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=1)
-  scale_M = trim_scale(amax_M / jnp.float32(qmax))
-  ok_M = (scale_M > 0) & (scale_M < jnp.inf)
-  y = x / scale_M[:, None]
-  q = jnp.clip(jnp.round(y) if noise is None else jnp.floor(y + noise), -qmax, qmax)
-  q = jnp.where(ok_M[:, None], q, 0.0)
+  scale_M = block_format.scale_of(amax_M, bits)
+  s = scale_M[:, None]
+  if noise is None:
+    q = block_format.nearest_codes(x, s, bits, estimate=jnp.round(jnp.abs(x) / s))
+  else:
+    q = block_format.stochastic_codes(jnp.floor(x / s + noise), s, bits)
   return q.astype(jnp.int32), scale_M
 
 
