@@ -26,7 +26,7 @@ import numpy as np
 from flax.core.scope import LazyRng
 
 from zerojax.executor import Model
-from zerojax.models.checks import bound_axes, check_linen_module, check_loss_output, rng_streams
+from zerojax.models.checks import bound_axes, check_linen_module, loss_form, rng_streams
 from zerojax.unit import ShardedUnit, unit
 
 ROOT = "_root"
@@ -199,7 +199,8 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
     `Executor.logical_variables` adds the other collections.
 
   Raises:
-    TypeError: `module` is no linen Module (e.g. a Hugging Face wrapper: pass its `.module`).
+    TypeError: `module` is no linen Module (e.g. a Hugging Face wrapper or another object holding the
+      module at `.module` or `.model`: pass that module).
     ValueError: at wrap time, from a trial initialisation and training step traced with `jax.eval_shape`
       (`zerojax.models.checks`): the module draws an rng stream not in `rngs`, `loss_fn` returns no
       scalar loss or `(loss, aux)`, or the module calls a collective over an axis zerojax does not bind.
@@ -220,10 +221,10 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
         return out
       return _apply(module, box["v"], args, kwargs, linen_rngs(k_loss, rngs), mutable)[0]
 
-    out = loss_fn(apply, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), example), k_loss)
+    loss_fn(apply, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), example), k_loss)
     if "v" not in box:
       raise ValueError("loss_fn never called `apply`; it must run the module through it")
-    return to_dict(box["v"]), out
+    return to_dict(box["v"])
 
   calls = {}
 
@@ -236,7 +237,7 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
     return out
 
   with nn.intercept_methods(record), rng_streams(rngs), bound_axes():
-    variables = jax.eval_shape(init_variables, jax.random.key(0))[0]
+    variables = jax.eval_shape(init_variables, jax.random.key(0))
   params = variables.get("params", {})
   paths, scanned = {}, set()
   for path in sorted(calls, key=len):
@@ -259,10 +260,10 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
     raise ValueError(f"no submodule matches units={units}; name module types or paths of `module`")
 
   def init(rng):
-    return split_user(init_variables(rng)[0].get("params", {}), paths)
+    return split_user(init_variables(rng).get("params", {}), paths)
 
   def init_state(rng):
-    return {c: v for c, v in init_variables(rng)[0].items() if c != "params"}
+    return {c: v for c, v in init_variables(rng).items() if c != "params"}
 
   def loss(params, batch, rng, state):
     state = dict(state or {})
@@ -280,9 +281,8 @@ def from_linen(module: nn.Module, example_batch: Any, loss_fn: Callable, *, unit
   # A trial training step on the plain parameters: the rng streams the module draws and the loss's form.
   state = {c: v for c, v in variables.items() if c != "params"}
   with rng_streams(rngs), bound_axes():
-    out = jax.eval_shape(lambda p, b, r, s: loss(p, b, r, s)[0], split_user(params, paths), example,
-                         jax.random.key(0), state)
-  has_aux = check_loss_output(out)
+    has_aux = loss_form(lambda p, b, r, s: loss(p, b, r, s)[0], split_user(params, paths), example,
+                        jax.random.key(0), state)
   return Model(init=init, loss=loss, scanned=frozenset(scanned), has_aux=has_aux, rng=True,
                init_state=init_state, to_user=lambda t: merge_user(t, paths),
                from_user=lambda t: split_user(t, paths), example_batch=example)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zerojax.executor import Model
-from zerojax.models.checks import check_loss_output, check_nnx_module
+from zerojax.models.checks import check_nnx_module, loss_form
 from zerojax.models.linen import (ShardLeaf, merge_user, user_tree, shape_struct, split_user, to_dict,
                                   linen_rngs)
 from zerojax.unit import ShardedUnit, unit
@@ -132,6 +132,12 @@ def from_nnx(module: nnx.Module | Callable[[nnx.Rngs], nnx.Module], example_batc
 
   Returns:
     The `Model`; `Executor.logical_params` returns `nnx.to_pure_dict` of the module's `nnx.Param` state.
+
+  Raises:
+    TypeError: `module` is neither (e.g. a linen Module, or an object holding the module at `.module` or
+      `.model`: pass that module).
+    ValueError: at wrap time, from a training step traced with `jax.eval_shape`: `loss_fn` returns no
+      scalar loss or `(loss, aux)`.
   """
   check_nnx_module(module)
   units, rngs = tuple(units), tuple(rngs)
@@ -191,10 +197,9 @@ def from_nnx(module: nnx.Module | Callable[[nnx.Rngs], nnx.Module], example_batc
 
     return loss_fn(apply, batch, rng), box["state"]
 
-  out = jax.eval_shape(lambda p, s, b, r: loss(p, b, r, s)[0], init(jax.random.key(0)) if not build else
-                       jax.eval_shape(init, jax.random.key(0)), init_state(jax.random.key(0)) if not build
-                       else jax.eval_shape(init_state, jax.random.key(0)), example, jax.random.key(0))
-  has_aux = check_loss_output(out)
+  has_aux = loss_form(lambda p, s, b, r: loss(p, b, r, s)[0], init(jax.random.key(0)) if not build else
+                      jax.eval_shape(init, jax.random.key(0)), init_state(jax.random.key(0)) if not build
+                      else jax.eval_shape(init_state, jax.random.key(0)), example, jax.random.key(0))
   return Model(init=init, loss=loss, scanned=frozenset(), has_aux=has_aux, rng=True, init_state=init_state,
                to_user=lambda t: merge_user(t, paths), from_user=lambda t: split_user(t, paths),
                example_batch=example)
