@@ -85,3 +85,36 @@ def test_no_trials_chooses_the_prediction(tmp_path, monkeypatch):
     gin.clear_config()
   assert ex.plan.name == ex.planner_rows[0]["plan"] and not any("trial_s" in r for r in ex.planner_rows)
   assert jax.device_count() == 8
+
+
+@pytest.mark.slow
+def test_the_trials_leave_nothing_alive(tmp_path):
+  """After auto's choice nothing of its trials stays alive: no executor (so no compiled program or train
+  state they hold) and no device buffer beyond what was alive before and the chosen executor's own."""
+  import gc
+  import weakref
+  path = tmp_path / "profile.json"
+  path.write_text(json.dumps(links.link_profile(2, 4, b_gpu=100e9, b_node=0.1e9, source="test")))
+  made = []
+  gin.clear_config()
+  gin.parse_config(TINY)
+  gc.collect()
+  before = {id(a) for a in jax.live_arrays()}
+  original_measure = trial.compute.measure
+
+  def tracked(executor, batch, reps=3):
+    made.append(weakref.ref(executor))
+    return original_measure(executor, batch, reps)
+  trial.compute.measure = tracked
+  try:
+    ex = trainer.build(planner.auto(profile=str(path), trials=1, trial_steps=1), 2, accum_steps=1, batch_size=8)
+  finally:
+    trial.compute.measure = original_measure
+    gin.clear_config()
+  gc.collect()
+  assert len(made) >= 4  # the compute measurement and the trials (the best prediction and the named plans)
+  alive = [r() for r in made if r() is not None and r() is not ex]
+  assert alive == [], [e.plan.name for e in alive]
+  leaked = [a for a in jax.live_arrays() if id(a) not in before]
+  assert leaked == [], [(a.shape, a.dtype) for a in leaked[:5]]
+  assert ex.plan.name in {r["plan"] for r in ex.planner_rows}
