@@ -24,6 +24,14 @@ slow phase of the machine falls on every plan alike); run it on a quiet machine.
 
 Prints JSON, writes `benchmarks/planner.json` and the AMSP section of `benchmarks/RESULTS.md`.
 
+`--user` asks a user's question instead: does `auto` cost me anything against the plan it picks? Per
+cell, `--reps` interleaved rounds (the order alternating) of auto's own run (`train.plan = @auto()`,
+trials included) and the plan it chose, started by name (its config, or its `amsp(...)` bindings):
+each run's median step time, their medians with min and max, and auto over the named run (goal: within
+5%). Writes `benchmarks/planner_user.json`.
+
+  sudo .venv/bin/python benchmarks/bench_planner.py --user --shapes 2x4 --rates 100mbit,1gbit --accums 1 --reps 5
+
 References:
   AMSP: Chen et al. 2023, §V (planner), §VI-D (ablation of the strategies).
 """
@@ -168,6 +176,50 @@ def cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> 
       "compute": pred["compute"]}
 
 
+def by_name(plan: str, pred: dict, gpus: int) -> list[str]:
+  """`train.py` bindings that start the plan `auto` chose by name: its config where it is a named plan,
+  else its point's `amsp(...)` bindings."""
+  for name, point in NAMED_POINT.items():
+    if point.format(gpus=gpus) == plan:
+      return NAMED[name]
+  return gin_params(pred["every"][plan])
+
+
+def spread(v: list[float]) -> dict:
+  return {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
+
+
+def user_cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> dict:
+  """auto's own run against the plan it chose started by name, interleaved (`--user`)."""
+  pred = predict(prof_path, nodes, gpus, accum, args.lossy, args.compute, args.gin_param)
+  auto = ["train.plan=@auto()", f"auto.profile='{prof_path}'", f"auto.lossy={args.lossy}",
+          f"auto.compute='{args.compute}'"]
+  t = {"auto": [], "named": []}
+  chosen, plans = None, []
+  for rep in range(args.reps):
+    order = ("auto", "named") if rep % 2 == 0 or chosen is None else ("named", "auto")  # auto first: its choice
+    for what in order:
+      if what == "named" and chosen is None:
+        continue
+      params = auto if what == "auto" else by_name(chosen, pred, gpus)
+      r = run(nodes, gpus, rate, accum, params, args, f"{nodes}x{gpus} {rate} accum {accum} rep {rep} {what}")
+      if r is None:
+        continue
+      if what == "auto":
+        plans.append(r["plan"])
+        chosen = chosen or r["plan"]
+      t[what].append(r["median_step_time_s"])
+      print(f"bench_planner: {nodes}x{gpus} {rate} rep {rep} {what} ({r['plan']}): "
+            f"{r['median_step_time_s']:.3f} s/step", file=sys.stderr, flush=True)
+  out = {"shape": f"{nodes}x{gpus}", "rate": rate, "accum": accum, "auto_plans": plans, "chosen": chosen,
+         "named_params": by_name(chosen, pred, gpus) if chosen else None}
+  if t["auto"] and t["named"]:
+    out.update(auto_s=spread(t["auto"]), named_s=spread(t["named"]),
+               auto_over_named=statistics.median(t["auto"]) / statistics.median(t["named"]),
+               auto_over_named_range=[min(t["auto"]) / max(t["named"]), max(t["auto"]) / min(t["named"])])
+  return out
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--shapes", default="2x4,4x2", help="NODESxDEVICES, comma-separated")
@@ -182,9 +234,12 @@ def main(argv=None) -> int:
                   help="auto's compute model (`zerojax.planner.compute`; default uniform, auto's default)")
   ap.add_argument("--gin_param", action="append", default=[])
   ap.add_argument("--run_timeout", type=float, default=600, help="seconds before a hung run is stopped and retried")
-  ap.add_argument("--json", default=os.path.join(HERE, "planner.json"))
+  ap.add_argument("--user", action="store_true",
+                  help="auto's own run against the plan it chose started by name, interleaved (planner_user.json)")
+  ap.add_argument("--json", default=None, help="default benchmarks/planner.json (--user: planner_user.json)")
   ap.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
   args = ap.parse_args(argv)
+  args.json = args.json or os.path.join(HERE, "planner_user.json" if args.user else "planner.json")
   try:
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",") if s]
     accums = [int(a) for a in args.accums.split(",") if a]
@@ -205,10 +260,13 @@ def main(argv=None) -> int:
       report["profiles"][f"{nodes}x{gpus} {rate}"] = cluster.run_profile(cluster.parser().parse_args(
           [f"--profile={prof_path}", f"--nodes={nodes}", f"--devices={gpus}", f"--rate={rate}"]))
       for accum in accums:
-        report["cells"].append(cell(nodes, gpus, rate, accum, prof_path, args))
+        report["cells"].append((user_cell if args.user else cell)(nodes, gpus, rate, accum, prof_path, args))
         report["failed"] = FAILED
         with open(args.json, "w") as f:  # after every cell: a long grid keeps what it measured
           json.dump(report, f, indent=2)
+  if args.user:
+    print(json.dumps(report["cells"], indent=2))
+    return 0
   bench_mics.write_section(args.results, markdown(report), "## AMSP planner on the emulated cluster")
   print(json.dumps([{k: v for k, v in c.items() if k not in ("rows", "compute")} for c in report["cells"]], indent=2))
   return 0
