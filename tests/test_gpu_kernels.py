@@ -250,3 +250,45 @@ def test_triton_without_compute_capability_names_the_fix(monkeypatch):
 def test_triton_lowered_for_cpu_raises():
   with pytest.raises(RuntimeError, match="lowered for cpu; use backend='xla' or 'pallas'"):
     jax.jit(lambda x: Q.quantize(x, 8, BLOCK, backend="triton")).lower(_x())
+
+
+# --- the default backend per op -------------------------------------------------------------------
+
+def test_gpu_default_is_the_measured_tables_fastest_that_lowers(monkeypatch):
+  """Per op the fastest measured backend that can be compiled here; xla where no kernel can."""
+  from pallas_kernels import kernel_table
+  monkeypatch.delenv("ZEROJAX_TRITON_COMPUTE_CAPABILITY", raising=False)
+  assert kernel_table.ranking("quantize", 8, rotate=True)[0] == "pallas"  # 1,282 GB/s against 132 (xla)
+  assert Q.gpu_default("quantize", 4, 256, rotate=True) == "pallas"
+  assert Q.gpu_default("dequantize", 4, 256) == "xla"                     # xla measured fastest
+  assert Q.gpu_default("quantize", 8, 100, rotate=False) == "xla"          # no compiled kernel: not a power of 2
+  assert Q.gpu_default("quantize", 4, 256) == "xla"  # triton measured fastest, but no target capability known
+  monkeypatch.setenv("ZEROJAX_TRITON_COMPUTE_CAPABILITY", "90")
+  if importlib.util.find_spec("jax_triton") is not None:
+    assert Q.gpu_default("quantize", 4, 256) == "triton"
+    assert Q.gpu_default("quantize", 4, 256, noisy=True) == "xla"          # triton has no stochastic rounding
+  assert Q.default_backend() == "xla"                                      # on this CPU host
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@needs_plugin
+def test_default_backend_on_h100s_runs_the_rotated_int4_path_in_kernels():
+  """configs/zeropp_int4.gin's settings (int4 weights and gradients, rotated) with no kernel_backend,
+  compiled for 2 x 4 H100s: the rotated quantization runs in the Pallas kernels the measured table ranks
+  first (not in the butterfly passes of the xla form), and on the CPU mesh the same plan runs xla."""
+  import zerojax
+  from tests.helpers import TINY, optimizer, tiny_gpt
+  mesh = Mesh(np.array(_devices("h100", "1x2x4")).reshape(N, G), ("node", "gpu"))
+  plan = zerojax.plan.zeropp(weight_bits=4, grad_bits=4, rotate=True)
+  ex = zerojax.Executor(tiny_gpt(), optimizer(), plan, mesh, accum_steps=1)
+  assert ex.components.gather.backend == Q.FASTEST
+  shapes = jax.eval_shape(ex.init, jax.random.key(0))
+  state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
+                       shapes, ex.shardings(shapes))
+  batch = jax.ShapeDtypeStruct((1, 16, TINY.seq_len + 1), jnp.int32, sharding=ex.batch_sharding)
+  triton, interpreted = kernels_in(ex.step_fn().lower(state, batch).compile().as_text())
+  assert not interpreted
+  assert {"zerojax_quantize", "zerojax_dequantize", "zerojax_reorder_quantize"} <= set(triton), triton
+  cpu = zerojax.Executor(tiny_gpt(), optimizer(), plan, zerojax.make_mesh(N, G), accum_steps=1)
+  assert cpu.components.gather.backend is None and cpu.components.reduction.backend is None

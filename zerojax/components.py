@@ -12,6 +12,11 @@ docs/DESIGN.md, "Components". `compile(plan, mesh)` turns a resolved `Plan`'s va
 The unit (`zerojax.unit`), its prefetch call order and the step body call these; none reads the plan.
 Components are the same for every unit: a unit binds them to its leaves in its `UnitMeta`.
 
+`compile` decides once, from the mesh's sizes, what a device does not need: an axis of size 1 moves no
+data, so no collective runs over it, and a group of one device neither gathers, reduces, quantizes (qwZ,
+float8, qgZ: the data never leaves the device, so quantizing would only lose precision and time) nor
+prefetches. On a 1 x 1 mesh every plan then runs what `dp` runs (docs/DESIGN.md, "Components").
+
 References:
   ZeRO: Rajbhandari et al. 2020, §5. ZeRO++: Wang et al. 2023, §3.1-3.3. MiCS: Zhang et al. 2022,
   §3.3-3.4. AMSP: Chen et al. 2023, §IV. LoCo: Xie et al. 2024, §3. SDP4Bit: Jia et al. 2024, §3.2.
@@ -27,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from zerojax import comm
+from zerojax import comm, gpu_aot, quantization
 from zerojax.layout import LeafLayout, pad_flat, unflatten_leaf
 from zerojax.mesh import axis_sizes, group_size, owner_index
 from zerojax.plan import Plan
@@ -38,14 +43,18 @@ class ParamGather:
   """How a unit's parameters reach its compute (ZeRO §5.3; qwZ, ZeRO++ §3.1; hpZ, §3.2; MiCS §3.3).
 
   Attributes:
-    axes: A_p, the axes the parameter shards are gathered over.
-    to_param: A_os \\ A_p in order: the master shard is gathered over them into the parameter shard.
+    axes: A_p's axes of size > 1, the axes the parameter shards are gathered over (none: nothing moves,
+      the shard is the whole leaf).
+    to_param: A_os \\ A_p's axes of size > 1, in order: the master shard is gathered over them into the
+      parameter shard.
     degree: devices along A_p.
     dtype: the parameters' dtype on the wire; `compute_dtype` the one the unit computes in.
-    bits, block: qwZ's quantization of the gather (None: unquantized); `quantize_backward` whether the
-      backward's re-gather is quantized too (without hpZ).
-    hierarchical: gather across nodes first, then inside the node (MiCS §3.3).
-    secondary: hpZ's secondary axes (None: no hpZ); `secondary_degree` the devices along them.
+    bits, block: qwZ's quantization of the gather (None: unquantized, always where `axes` is empty);
+      `quantize_backward` whether the backward's re-gather is quantized too (without hpZ).
+    hierarchical: gather across nodes first, then inside the node (MiCS §3.3); only where `axes` hold
+      both a node axis and a gpu axis.
+    secondary: hpZ's secondary axes of size > 1 (None: no hpZ; (): a secondary group of one device, which
+      keeps the whole gathered weights and re-gathers nothing); `secondary_degree` the devices along them.
     rotate, backend: Hadamard-rotated blocks; the quantization kernels.
     float8: the gather moves float8_e4m3fn blocks with a scale per `block` instead (`Gather.weight_format`).
   """
@@ -64,6 +73,12 @@ class ParamGather:
   backend: str | None
   float8: bool = False
 
+  @property
+  def moves(self) -> bool:
+    """Whether the unit's gather moves data (some axis of A_p has more than one device); without it the
+    parameter shard is the whole flat leaf and `forward` / `backward` return the shards as they are."""
+    return bool(self.axes)
+
   def from_master(self, master):
     """The executor's step 0: master shards (over A_os) -> parameter shards (over A_p), in `dtype`."""
     cast = lambda m: m.astype(self.dtype)
@@ -81,18 +96,20 @@ class ParamGather:
 
   def secondary_shards(self, flats: list) -> list:
     """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""
+    if not self.secondary:  # a secondary group of one device: the whole gathered leaf
+      return list(flats)
     k, idx = self.secondary_degree, owner_index(self.secondary)
     return [lax.dynamic_index_in_dim(f.reshape(k, -1), idx, keepdims=False) for f in flats]
 
   def keep(self, shards: list, flats: list) -> list:
     """What a unit keeps of its weights for the backward: the primary shard, or with hpZ the secondary
     shard of the (dequantized) gathered weights, so the backward uses exactly the forward's weights."""
-    return self.secondary_shards(flats) if self.secondary else shards
+    return self.secondary_shards(flats) if self.secondary is not None else shards
 
   def backward(self, kept: list) -> list:
     """The backward's gather of the kept shards: over the secondary axes inside the node (hpZ, ZeRO++
     §3.2), else over A_p like the forward (quantized when `quantize_backward`)."""
-    if self.secondary:
+    if self.secondary is not None:
       return comm.all_gather_unit(kept, self.secondary, hierarchical=self.hierarchical)
     return self.forward(kept, backward=True)
 
@@ -112,10 +129,12 @@ class GradReduction:
   """A unit's gradient reduction over A_g inside its backward (ZeRO §5.2; qgZ, ZeRO++ §3.3).
 
   Attributes:
-    order: A_g in the order the gradient shards are laid out (`Sharding.grad_order`); `sizes` along it.
+    order: A_g's axes of size > 1 in the order the gradient shards are laid out (`Sharding.grad_order`);
+      `sizes` along it. None: a group of one device, whose gradient is its chunk (no collective).
     dtype: the dtype gradients are reduced and accumulated in.
     all_to_all: an unquantized gradient goes by the 2-hop all-to-all instead of `psum_scatter`.
-    bits, block, stages: qgZ (None: unquantized); `rotate`, `backend` as for `ParamGather`.
+    bits, block, stages: qgZ (None: unquantized, always where `order` is empty); `rotate`, `backend` as
+      for `ParamGather`.
     error_feedback, stochastic_rounding: qgZ's fidelity options; each needs the unit's per-call state
       (`ShardedUnit.state`: the error buffers, the rounding seed).
     owner: the plan's name, for errors.
@@ -147,6 +166,8 @@ class GradReduction:
       raise ValueError(f"plan {self.owner!r}: grad_error_feedback / stochastic_rounding need the unit's qgZ "
                        "state, which only zerojax's own models pass (not the flax adapters yet); drop them "
                        "for this model")
+    if not self.order:  # one device: nothing to reduce, nothing quantized, so nothing dropped
+      return flats, (None if error is None else jax.tree.map(jnp.zeros_like, error))
     fidelity = {}
     if self.bits:
       fidelity = {"rotate": self.rotate, "error": error,
@@ -165,8 +186,8 @@ class BoundarySync:
   last micro-step instead (`ReplicaSync.sync_in_backward`).
 
   Attributes:
-    to_opt: A_os \\ A_g in order.
-    replicas: the replica axes (outside A_os).
+    to_opt: A_os \\ A_g's axes of size > 1, in order.
+    replicas: the replica axes (outside A_os) of size > 1.
     in_backward: the replica all-reduce rides with the units' gradient reductions.
   """
   to_opt: tuple[str, ...]
@@ -190,30 +211,40 @@ class Components:
   Attributes:
     gather, reduction, sync: the communication components.
     remat: the remat mode every unit runs (`Schedule.remat` resolved).
-    prefetch: whether a scanned unit run by `zerojax.scan_layers` prefetches its layers.
+    prefetch: whether a scanned unit run by `zerojax.scan_layers` prefetches its layers (never where the
+      gather moves nothing: there is nothing to fetch ahead).
+    data_axes: the mesh's axes of size > 1, over which the step averages its loss, metrics and mutable
+      collections (`mean`).
   """
   gather: ParamGather
   reduction: GradReduction
   sync: BoundarySync
   remat: str
   prefetch: bool
+  data_axes: tuple[str, ...] = ()
+
+  def mean(self, x):
+    """`x` averaged over the data-parallel devices (`lax.pmean` over `data_axes`; `x` itself on one)."""
+    return lax.pmean(x, self.data_axes) if self.data_axes else x
 
 
 def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's compile step)
   """The components that run a resolved `plan` (`Plan.resolve(mesh)`) on `mesh`."""
   s, g, r = plan.sharding, plan.gather, plan.reduction
   sizes = axis_sizes(mesh)
+  # No kernel_backend named: on GPUs each op's fastest measured kernel (pallas_kernels.kernel_table), else xla.
+  kernels = quantization.FASTEST if gpu_aot.is_gpu(mesh) else None
   gather = ParamGather(
       axes=s.param_axes, to_param=s.opt_order[len(s.param_axes):], degree=group_size(mesh, s.param_axes),
       dtype=g.param_dtype, compute_dtype=g.compute_dtype or g.param_dtype, bits=g.weight_bits,
       block=g.weight_block, quantize_backward=g.quantize_backward_gather, hierarchical=bool(g.hierarchical),
       secondary=g.secondary_axes or None,
       secondary_degree=group_size(mesh, g.secondary_axes) if g.secondary_axes else 1,
-      rotate=g.rotate, backend=g.kernel_backend, float8=g.weight_format == "float8_e4m3fn")
+      rotate=g.rotate, backend=g.kernel_backend or kernels, float8=g.weight_format == "float8_e4m3fn")
   reduction = GradReduction(
       order=s.grad_order, sizes=tuple(sizes[a] for a in s.grad_order),
       dtype=r.reduce_dtype, all_to_all=r.gradient_all_to_all, bits=r.grad_bits, block=r.grad_block,
-      stages=r.qgz_stages, rotate=r.rotate, backend=r.kernel_backend, error_feedback=r.grad_error_feedback,
+      stages=r.qgz_stages, rotate=r.rotate, backend=r.kernel_backend or kernels, error_feedback=r.grad_error_feedback,
       stochastic_rounding=r.stochastic_rounding, owner=plan.name)
   to_opt, replicas = s.opt_order[len(s.grad_order):], s.replica_axes(mesh)
   # `Plan` refuses sync_in_backward where A_os is finer than A_g (`to_opt` is then empty).

@@ -27,9 +27,13 @@ the same bits everywhere; inside the Pallas kernels, around the triton ones); `n
 Pallas; the triton kernels refuse it).
 
 Three backends compute the same arithmetic and agree bit for bit: "xla" (plain jnp, this file, the
-reference and the default), "pallas" (`pallas_kernels.block_quant`, interpreted on CPU) and
-"triton" (`pallas_kernels.triton_block_quant`, GPU only). Pick one per call with `backend=` or for
-the process with the environment variable ZEROJAX_KERNEL_BACKEND.
+reference), "pallas" (`pallas_kernels.block_quant`, interpreted on CPU) and "triton"
+(`pallas_kernels.triton_block_quant`, GPU only). `backend=FASTEST` runs each op with the fastest
+backend of the measured GPU table that can be compiled for it (`gpu_default`, `pallas_kernels.kernel_table`):
+what the components pass on a mesh of GPUs (`zerojax.components`), and what `backend=None` (the default)
+means where jax's default backend is a GPU; elsewhere None means "xla". A call's `backend=`, a plan's
+`kernel_backend`, or for the process the environment variable ZEROJAX_KERNEL_BACKEND name one backend
+for every op instead.
 
 References:
   ZeRO++: Wang et al. 2023, §3.1 (block-based quantization), §3.3 (qgZ), §4.1.2 Algorithm 2
@@ -48,17 +52,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import block_format, hadamard
+from pallas_kernels import kernel_table
 from pallas_kernels.block_format import qmax_of, trim_scale  # noqa: F401  (the format's public names)
 
 Backend = Literal["xla", "pallas", "triton"]
 BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
 ENV_VAR = "ZEROJAX_KERNEL_BACKEND"
+FASTEST = "fastest"  # per op, the fastest backend of the measured GPU table (`gpu_default`)
 
 
 def default_backend() -> str:
-  """The backend used when a call passes `backend=None`: $ZEROJAX_KERNEL_BACKEND, else "xla"."""
-  name = os.environ.get(ENV_VAR, "").strip().lower() or "xla"
-  if name not in BACKENDS:
+  """The backend named for the process: $ZEROJAX_KERNEL_BACKEND, else "xla" on a CPU and `FASTEST` where
+  jax's default backend is a GPU."""
+  name = os.environ.get(ENV_VAR, "").strip().lower() or (FASTEST if jax.default_backend() == "gpu" else "xla")
+  if name not in (*BACKENDS, FASTEST):
     raise ValueError(f"{ENV_VAR}={name!r}; expected one of {BACKENDS}")
   return name
 
@@ -88,6 +95,38 @@ def resolve_backend(backend: str | None) -> str:
     from pallas_kernels import triton_block_quant
     triton_block_quant.require_jax_triton()
   return name
+
+
+def _lowers(name: str, block: int, noisy: bool) -> bool:
+  """Whether backend `name` can be compiled for a GPU with these settings on this host."""
+  if name == "xla":
+    return True
+  if block & (block - 1):
+    return False  # the compiled kernels need a power-of-two block
+  if name == "pallas":
+    return True
+  if noisy:
+    return False  # no stochastic rounding in the triton kernels
+  import importlib.util
+  if importlib.util.find_spec("jax_triton") is None or importlib.util.find_spec("triton") is None:
+    return False
+  from pallas_kernels import triton_block_quant
+  return triton_block_quant.compute_capability() is not None
+
+
+def gpu_default(op: str, bits: int, block: int, rotate: bool = False, noisy: bool = False) -> str:
+  """The backend `op` runs where it is lowered for a GPU with `backend=None`: the fastest of the measured
+  table (`pallas_kernels.kernel_table`) that can be compiled with these settings."""
+  return next(b for b in kernel_table.ranking(op, bits, rotate) if _lowers(b, block, noisy))
+
+
+def _run(op: str, impl, arrays: tuple, *, bits: int, block: int, rotate: bool = False, noisy: bool = False,
+         backend: str | None = None):
+  """`impl(arrays, name)` with the backend asked for (`FASTEST`: `gpu_default`'s choice for this op)."""
+  name = default_backend() if backend is None else backend
+  if name == FASTEST:
+    return impl(arrays, gpu_default(op, bits, block, rotate, noisy))
+  return impl(arrays, resolve_backend(name))
 
 
 def _kernels(name: str):
@@ -196,7 +235,7 @@ def quantize(x: jax.Array, bits: int, block: int, *, rotate: bool = False, noise
       `dequantize(..., rotate=True)` or `dequant_sum(..., rotate=True)`.
     noise: uniform noise in (0, 1) shaped like `x` (`hadamard.uniform`): stochastic rounding
       `floor(x / scale + noise)`, unbiased; None rounds to nearest.
-    backend: "xla", "pallas", "triton" or None for `default_backend()`.
+    backend: "xla", "pallas", "triton", or None: chosen per platform (module docstring).
 
   Returns:
     (values, scales): int8 [n_pad] or packed uint8 [n_pad // 2], and fp32 [n_pad // block].
@@ -204,8 +243,12 @@ def quantize(x: jax.Array, bits: int, block: int, *, rotate: bool = False, noise
   References:
     ZeRO++ §3.1 (block-based quantization), §4.2 (quantization kernels). SDP4Bit §3.2 (rotation).
   """
-  name = resolve_backend(backend)
-  _check(bits, block, rotate, name, noise)
+  _check(bits, block, rotate, backend or "xla", noise)
+  return _run("quantize", lambda a, name: _quantize(*a, bits, block, rotate, name), (x, noise), bits=bits,
+              block=block, rotate=rotate, noisy=noise is not None, backend=backend)
+
+
+def _quantize(x, noise, bits, block, rotate, name):
   flat = jnp.ravel(x)
   n_pad = -(-flat.shape[0] // block) * block
   if n_pad != flat.shape[0]:
@@ -237,8 +280,12 @@ def dequantize(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
   References:
     ZeRO++ §3.1, §4.2 (dequantization kernels).
   """
-  name = resolve_backend(backend)
   _check(bits, block, rotate)
+  return _run("dequantize", lambda a, name: _dequantize(*a, bits, block, dtype, size, rotate, name),
+              (values, scales), bits=bits, block=block, rotate=rotate, backend=backend)
+
+
+def _dequantize(values, scales, bits, block, dtype, size, rotate, name):
   bp = packed_len(block, bits)
   v_MxBp = jnp.ravel(values).reshape(-1, bp)
   s_M = jnp.ravel(scales)
@@ -275,8 +322,13 @@ def reorder_quantize(x: jax.Array, nodes: int, gpus: int, bits: int, block: int,
     ZeRO++ §3.3.3 (tensor slice reordering), §4.1.2 Algorithm 2 (generalized to pipeline stages),
     §4.2 (reordering fused into the quantization kernel).
   """
-  name = resolve_backend(backend)
-  _check(bits, block, rotate, name, noise)
+  _check(bits, block, rotate, backend or "xla", noise)
+  return _run("reorder_quantize",
+              lambda a, name: _reorder_quantize(*a, nodes, gpus, bits, block, stages, rotate, name), (x, noise),
+              bits=bits, block=block, rotate=rotate, noisy=noise is not None, backend=backend)
+
+
+def _reorder_quantize(x, noise, nodes, gpus, bits, block, stages, rotate, name):
   w = nodes * gpus
   total = math.prod(x.shape)
   if nodes <= 0 or gpus <= 0 or stages <= 0 or total % w:
@@ -339,9 +391,13 @@ def dequant_sum_quantize(values: jax.Array, scales: jax.Array, bits: int, block:
     fused in one kernel, 9x less memory traffic in qgZ).
   """
   out_bits = bits if out_bits is None else out_bits
-  name = resolve_backend(backend)
   _check(bits, block)
-  _check(out_bits, block, name=name, noise=noise)
+  _check(out_bits, block, name=backend or "xla", noise=noise)
+  return _run("dequant_sum_quantize", lambda a, name: _dequant_sum_quantize(*a, bits, block, out_bits, name),
+              (values, scales, noise), bits=out_bits, block=block, noisy=noise is not None, backend=backend)
+
+
+def _dequant_sum_quantize(values, scales, noise, bits, block, out_bits, name):
   v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
   rows = lambda a: None if a is None else jnp.reshape(a.astype(jnp.float32), (-1, block))
   if name == "xla":
@@ -365,8 +421,12 @@ def dequant_sum(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
   References:
     ZeRO++ §3.3.2, §4.2.
   """
-  name = resolve_backend(backend)
   _check(bits, block, rotate)
+  return _run("dequant_sum", lambda a, name: _dequant_sum(*a, bits, block, dtype, rotate, name),
+              (values, scales), bits=bits, block=block, rotate=rotate, backend=backend)
+
+
+def _dequant_sum(values, scales, bits, block, dtype, rotate, name):
   v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
   if name == "xla":
     out = _unrotate(_sum_rows(v_KxMxBp, s_KxM, bits), rotate).astype(dtype)
