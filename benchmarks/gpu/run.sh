@@ -3,8 +3,10 @@
 #   1. the GPU-marked tests (`gpu`: run on the GPU -> OUT_DIR/gpu_tests.txt; `gpu_compile`: the compile-only
 #      schedule checks, on the CPU host);
 #   2. bench_kernels.py for every backend the device runs (xla, pallas, triton) -> OUT_DIR/kernels.json
-#      (device, jax, rows of op/backend/bits/elements/gbps/ratio_to_copy; outputs checked bitwise across backends);
-#   3. a profiled train step of configs/zeropp.gin -> OUT_DIR/profile/ (a jax.profiler trace for
+#      (device, jax, rows of op/backend/bits/elements/gbps/ratio_to_copy against the best 4-byte copy, and
+#      per row the bytes that differ from xla: recorded, never a stop);
+#   3. bench_gpu_step.py -> OUT_DIR/step.json (each plan's step against a plain jitted step, interleaved);
+#   4. a profiled train step of configs/zeropp.gin -> OUT_DIR/profile/ (a jax.profiler trace for
 #      TensorBoard/Perfetto: where the collectives run beside the kernels, what only a GPU can show).
 # Install first: pip install -e '.[test,bench,gpu,gpu-aot]' with a CUDA jax (pip install 'jax[cuda12]').
 set -uo pipefail
@@ -21,7 +23,15 @@ env -u JAX_PLATFORMS "$PY" -m pytest -q -n 0 -m gpu -rA tests/ 2>&1 | tee "$OUT/
 env -u JAX_PLATFORMS "$PY" -m pytest -q -m gpu_compile tests/ || status=1
 
 echo "== kernels"
+# Every backend against xla: differing bytes are counted per row (mismatched_bytes_vs_xla), never a stop;
+# ratio_to_copy divides by the best of several 1 GiB copies of 4-byte words (copy_ceiling).
 env -u JAX_PLATFORMS "$PY" benchmarks/bench_kernels.py --out "$OUT/kernels.json" || status=1
+
+echo "== train step against a plain jitted step"
+# dp, zero3, zeropp and mics on the mesh of the GPUs present against jax.jit(value_and_grad) + optax of the
+# same 737M-parameter GPT (bf16, remat full), interleaved repetitions; a system that fails gets its error in
+# its row of step.json.
+env -u JAX_PLATFORMS "$PY" benchmarks/bench_gpu_step.py --out "$OUT/step.json" || status=1
 
 echo "== profiled train step"
 env -u JAX_PLATFORMS "$PY" - "$OUT" <<'PYEOF' || status=1
