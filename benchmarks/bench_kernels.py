@@ -108,6 +108,12 @@ def available_backends() -> list[str]:
       names.append("triton")
     except Exception as e:  # noqa: BLE001 - a missing or changed triton module only drops the backend
       print(f"triton not run: {type(e).__name__}: {e}", file=sys.stderr)
+    from pallas_kernels import mosaic_block_quant
+    why = mosaic_block_quant.unavailable_reason()
+    if why is None:
+      names.append("mosaic")  # int8 quantize and dequantize only; its other rows record the refusal
+    else:
+      print(f"mosaic not run: {why}", file=sys.stderr)
   return names
 
 

@@ -47,7 +47,7 @@ def target_config(target: str) -> str:
 def plugin_installed() -> bool:
   """Whether jax's CUDA plugin (the `gpu-aot` extra) is installed."""
   try:
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13))
   except ModuleNotFoundError:  # no jax_plugins package at all
     return False
 

@@ -55,8 +55,9 @@ from pallas_kernels import block_format, hadamard
 from pallas_kernels import kernel_table
 from pallas_kernels.block_format import qmax_of, trim_scale  # noqa: F401  (the format's public names)
 
-Backend = Literal["xla", "pallas", "triton"]
-BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")
+Backend = Literal["xla", "pallas", "triton", "mosaic"]
+BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")  # a plan's kernel_backend: every op
+MOSAIC = "mosaic"  # Mosaic GPU (`pallas_kernels.mosaic_block_quant`): int8 quantize and dequantize only
 ENV_VAR = "ZEROJAX_KERNEL_BACKEND"
 FASTEST = "fastest"  # per op, the fastest backend of the measured GPU table (`gpu_default`)
 
@@ -87,8 +88,13 @@ def _check(bits: int, block: int, rotate: bool = False, name: str = "xla", noise
     raise ValueError(f"block={block} must be even for int4 (two codes per byte)")
 
 
-def resolve_backend(backend: str | None) -> str:
+def resolve_backend(backend: str | None, op: str = "", bits: int = 8, rotate: bool = False, noisy: bool = False) -> str:
   name = default_backend() if backend is None else backend
+  if name == MOSAIC:
+    if op not in ("quantize", "dequantize") or bits != 8 or rotate or noisy:
+      raise ValueError(f"backend='mosaic' has int8 quantize and dequantize only (not {op}, bits={bits}"
+                       f"{', rotate' if rotate else ''}{', noise' if noisy else ''}); use 'pallas' or 'xla'")
+    return name
   if name not in BACKENDS:
     raise ValueError(f"backend={name!r}; expected one of {BACKENDS}")
   if name == "triton":
@@ -126,10 +132,13 @@ def _run(op: str, impl, arrays: tuple, *, bits: int, block: int, rotate: bool = 
   name = default_backend() if backend is None else backend
   if name == FASTEST:
     return impl(arrays, gpu_default(op, bits, block, rotate, noisy))
-  return impl(arrays, resolve_backend(name))
+  return impl(arrays, resolve_backend(name, op, bits, rotate, noisy))
 
 
 def _kernels(name: str):
+  if name == MOSAIC:
+    from pallas_kernels import mosaic_block_quant
+    return mosaic_block_quant
   if name == "pallas":
     from pallas_kernels import block_quant
     return block_quant
@@ -261,7 +270,7 @@ def _quantize(x, noise, bits, block, rotate, name):
   if name == "xla":
     codes, s_M = _quantize_rows(x_MxB, bits, rotate, u_MxB)
     v_MxBp = _pack(codes, bits)
-  elif name == "triton":
+  elif name in ("triton", MOSAIC):
     x_MxB = hadamard.fwht_rows(x_MxB.astype(jnp.float32), hadamard.scales(block)[0]) if rotate else x_MxB
     v_MxBp, s_M = _kernels(name).quantize_rows(x_MxB, bits)
   else:
