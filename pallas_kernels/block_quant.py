@@ -201,7 +201,8 @@ def _mat(*arrays):
 def _pallas(kernel, interpret: bool, name: str, **specs):
   """pallas_call in interpret mode, or through the Triton lowering.
 
-  Pallas' default GPU lowering is Mosaic GPU; Triton compiler params select the Triton one.
+  Triton compiler params select the Triton lowering (up to jax 0.11.1 the default was Mosaic GPU; from 0.11.2
+  pallas_call lowers for GPUs through Triton only: docs/mosaic_gpu.md).
   """
   params = None
   if not interpret:
