@@ -23,6 +23,32 @@ The persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`, a temporary folde
 repetitions after the first skip compiling. Writes `benchmarks/radius.json` and the Radius section of
 `benchmarks/RESULTS.md`.
 
+Before/after (`--compare`, cluster, root): this tree and each `--repo` checkout (e.g. a git worktree of an
+older commit), each run a subprocess of the emulated cluster whose `train.py` processes import that
+checkout (`PYTHONPATH`, working directory); the cluster itself is this tree's `cluster.py`, so only the
+trained code differs. Per repetition, in alternating order: dense MiCS (`configs/mics.gin`) and MiCS +
+Radius (`configs/mics_radius.gin` with `--density`, `--period`, `--dense_steps`; default 0.1, 50, 2) in
+every checkout. The window holds sparse steps only: it starts after the select step and the first sparse
+step (each compiles its program on first use; the select step also all-reduces the whole gradient) and
+ends before the next select step; the dense runs use the same window. Prints JSON (and writes `--out`):
+per checkout the sparse and dense step times (median and min-max of the runs' medians, quartiles of all
+window steps), sparse/dense per repetition, bytes per step per node on the links, and the sparse step
+against the first checkout. `--smoke`: a tiny model, one repetition of two timed steps (checks that it
+runs; its times mean nothing).
+
+  sudo python benchmarks/bench_radius.py --compare --repo /tmp/radius_old --reps 5 --out /tmp/radius_cmp.json
+
+Both live in `benchmarks/radius_compare.py`.
+
+Programs (`--programs OUT`, no cluster, no root, nothing timed): in every checkout, one process of 2 x 4
+CPU devices runs the same config's steps through its phases (dense, select, sparse) and compiles each
+phase's program; writes what differs: per program its normalized HLO hash (benchmarks/hlo_fingerprint.py),
+collectives (op, dtype, shapes, replica groups, bytes, node egress), scheduled ops (fusions, sorts, top-k,
+gathers, scatters, copies, transposes), XLA's cost analysis; per checkout the losses of those steps and
+the Python calls of each step call (the host path). benchmarks/radius_programs.json:
+
+  python benchmarks/bench_radius.py --programs benchmarks/radius_programs.json --repo /tmp/radius_old
+
 References:
   Radius: Zheng & Zhang, §6.2 (per-step time −21% at d = 0.4), §6.3 (training error).
 """
@@ -42,6 +68,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import cluster  # noqa: E402
+import radius_compare  # noqa: E402
 
 SECTION = "## Radius: sparse replica sync on the emulated cluster"
 
@@ -168,6 +195,8 @@ def write_section(path: str, text: str) -> None:
     f.write(old.rstrip() + "\n\n" + text)
 
 
+# -- before/after: this tree against other checkouts, interleaved ------------------------------------
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--densities", default="0.4,0.1")
@@ -182,7 +211,37 @@ def main(argv=None) -> int:
   ap.add_argument("--from_json", default=None, help="reuse this report's cluster and convergence figures")
   ap.add_argument("--json", default=os.path.join(HERE, "radius.json"))
   ap.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
+  ap.add_argument("--compare", action="store_true", help="interleaved before/after runs of this tree and each "
+                  "--repo on the cluster (prints JSON; writes --out; not radius.json or RESULTS.md)")
+  ap.add_argument("--programs", metavar="OUT", default=None, help="compile the dense/select/sparse programs of "
+                  "this tree and each --repo, compare them, write OUT (no cluster)")
+  ap.add_argument("--repo", action="append", default=[], help="another checkout to run beside this tree, e.g. a "
+                  "git worktree of an older commit (repeatable)")
+  ap.add_argument("--density", type=float, default=0.1, help="--compare/--programs: radius.density")
+  ap.add_argument("--period", type=int, default=50, help="--compare/--programs: radius.period")
+  ap.add_argument("--dense_steps", type=int, default=2, help="--compare/--programs: radius.dense_steps")
+  ap.add_argument("--timed_steps", type=int, default=8, help="--compare: sparse steps timed per run")
+  ap.add_argument("--port", type=int, default=12355, help="--compare: the cluster's coordinator port")
+  ap.add_argument("--smoke", action="store_true", help="--compare/--programs: tiny model; --compare: one "
+                  "repetition of two timed steps (checks that it runs)")
+  ap.add_argument("--out", default=None, help="--compare: also write the JSON here")
   args = ap.parse_args(argv)
+  if args.smoke:
+    args.reps, args.timed_steps = 1, 2
+  if args.programs:
+    report = radius_compare.run_programs(args)
+    with open(args.programs, "w") as f:
+      json.dump(report, f, indent=1)
+    print(json.dumps({"sparse_vs_dense_node_egress": report["sparse_vs_dense_node_egress"],
+                      "compare": report["compare"]}, indent=1))
+    return 0
+  if args.compare:
+    report = radius_compare.run_compare(args)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({k: report[k] for k in ("checkouts", "window", "summary")}, indent=1))
+    return 0
   if args.from_json:
     with open(args.from_json) as f:
       report = json.load(f)
