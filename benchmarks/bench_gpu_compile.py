@@ -2,10 +2,11 @@
 
 Needs jax's CUDA plugin (`pip install -e '.[gpu-aot]'`); nothing runs on a GPU (`zerojax.gpu_aot`).
 
-  python benchmarks/bench_gpu_compile.py [--out benchmarks/gpu/compile.json]
+  python benchmarks/bench_gpu_compile.py [--out benchmarks/gpu/compile.json] [--dump_hlo DIR]
       every configs/*.gin plan (auto.gin aside: it measures this machine) on 2 x 4 H100s: per collective
-      async / in a layer loop / matmuls and kernels between start and done, the layer loops' overlap,
-      gathered weights alive, kernels, compiled memory beside memory_report, compile time.
+      its role, async / in a layer loop / matmuls and kernels between start and done, the layer loops'
+      overlap per role (every role found in them), gathered weights alive, kernels, compiled memory beside
+      memory_report, compile time; --dump_hlo writes each scheduled program to DIR/<config>.hlo.
   python benchmarks/bench_gpu_compile.py --llama [--meshes 2x8,8x8] [--plans zero3,zeropp,mics]
       [--out benchmarks/gpu/llama7b.json]
   python benchmarks/bench_gpu_compile.py --remat dots,none --plans zero3,zeropp
@@ -64,12 +65,16 @@ def compile_config(config: str, params: list, nodes: int, gpus: int, batch: int 
     gin.clear_config()
 
 
-def shipped(out_path: str) -> dict:
+def shipped(dump_hlo: str | None = None) -> dict:
   rows = []
   configs = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.gin"))
                    if not p.endswith(("base.gin", "auto.gin")))
   for config in configs:
     ex, prog, seconds, batch = compile_config(config, [], 2, 4)
+    if dump_hlo:
+      os.makedirs(dump_hlo, exist_ok=True)
+      with open(os.path.join(dump_hlo, os.path.basename(config).replace(".gin", ".hlo")), "w") as f:
+        f.write(prog.as_text())
     rep = compile_cli.report(ex, prog, seconds)
     rep.update(config=config, batch_size=batch)
     rows.append(rep)
@@ -78,7 +83,10 @@ def shipped(out_path: str) -> dict:
   return {"device": "NVIDIA H100 80GB HBM3 (compile-only)", "mesh": "2x4", "jax": jax.__version__,
           "notes": ["nothing ran: the programs were compiled for compile-only H100s on a CPU machine",
                     "matmuls_between / kernels_between: what the schedule runs between a collective's start "
-                    "and done", "compile_s: measured on a shared 2-core CPU machine (noisy)"],
+                    "and done", "role: from the JAX source path; a collective XLA combined from several (no "
+                    "path of its own) gets its parts' role (zerojax.analysis.schedule.recovered_role)",
+                    "overlap: per role, the layer-loop collectives (in_loop) and those with a matmul between "
+                    "start and done (overlapped)", "compile_s: measured on a shared 2-core CPU machine (noisy)"],
           "configs": rows}
 
 
@@ -150,6 +158,7 @@ def main():
   ap.add_argument("--remat", default=None, help="e.g. dots,none: --plans under these remat modes, prefetch "
                   "off and on (benchmarks/gpu/remat_prefetch.json)")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--dump_hlo", default=None, help="shipped configs: write each scheduled program to DIR/<config>.hlo")
   args = ap.parse_args()
   if args.remat:
     result = remat_prefetch([p for p in args.plans.split(",") if p in PLANS], args.remat.split(","))
@@ -158,7 +167,7 @@ def main():
     result = llama(args.meshes.split(","), args.plans.split(","))
     out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "llama7b.json")
   else:
-    result = shipped(args.out)
+    result = shipped(args.dump_hlo)
     out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "compile.json")
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "w") as f:

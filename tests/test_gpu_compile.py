@@ -129,3 +129,104 @@ def test_prefetch_is_the_gpu_default_in_every_remat_mode(plan, remat):
   loops = rep["gathered_alive"]["layer_loops"]
   assert {e["direction"] for e in loops} == {"forward", "backward"}, loops
   assert all(e["outside_bytes"] == 0 for e in loops), loops
+
+
+SYNC_IN_BACKWARD = ("configs/mics.gin", "configs/mics_qwz.gin")  # replicas all-reduced in each layer's backward
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_collective_has_a_role_and_every_layer_collective_compute_in_flight(config):
+  """Every shipped config on its own 4-layer GPT: no collective is "other" (one XLA combined from several
+  takes its parts' role: MiCS's in-backward replica all-reduce is "replica sync", the gradient norm's
+  partial sums "metrics"); every collective of the layer loops has a kernel in flight between its start
+  and done, and the overlap table counts each of them under its role. MiCS's replica all-reduce, on
+  the slow cross-node link, has a matmul in flight (layer i's backward: layer i+1's reduce-scatter,
+  whose result it sums, runs beside layer i's recomputed forward); before, it followed the
+  reduce-scatter with only the loop's slice updates between its start and done."""
+  from collections import Counter
+
+  rep = compiled(config, small=False)["report"]
+  other = [(c["op"], c["axes"], c["result_shapes"]) for c in rep["collectives"] if c["role"] == "other"]
+  assert not other, f"collectives without a role: {other}"
+  loop = [c for c in rep["collectives"] if c["in_layer_loop"]]
+  idle = [(c["role"], c["op"], c["axes"]) for c in loop if c["kernels_between"] < 1]
+  assert not idle, f"layer-loop collectives with nothing in flight: {idle}"
+  assert {r: e["in_loop"] for r, e in rep["overlap"].items()} == Counter(c["role"] for c in loop)
+  sync = [c for c in loop if c["role"] == "replica sync"]
+  assert bool(sync) == (config in SYNC_IN_BACKWARD), sync
+  assert all(c["matmuls_between"] >= 1 and c["axes"] == ["node"] for c in sync), sync
+
+
+def _plain_bytes(ex, cfg, optimizer, batch: int) -> tuple[float, str]:
+  """(bytes accessed, optimized text) of the plain step of `ex`'s GPT on one device of its kind: fp32
+  master weights cast to the plan's param and compute dtypes, `jax.value_and_grad` of the same loss with
+  each unit under `jax.checkpoint` (remat "full"), the same optax update (benchmarks/bench_added_work.py
+  compares every plan so)."""
+  import jax
+  import numpy as np
+  import optax
+  from jax import lax
+  from jax.sharding import SingleDeviceSharding
+
+  from zerojax.models.gpt import Block, embed_tokens, gpt, head_loss
+
+  assert ex.components.remat == "full"
+  block, g = Block(cfg), ex.components.gather
+  layer = jax.checkpoint(lambda p, x: block.apply({"params": p}, x))
+  embed, head = jax.checkpoint(embed_tokens), jax.checkpoint(head_loss)
+
+  def loss(p, tokens):
+    x = lax.scan(lambda c, lp: (layer(lp, c), None), embed(p["embed"], tokens[:, :-1]), p["blocks"])[0]
+    return head(p["head"], x, tokens[:, 1:])
+
+  def step(params, opt_state, tokens):
+    value, grads = jax.value_and_grad(loss)(jax.tree.map(lambda m: m.astype(g.dtype).astype(g.compute_dtype), params),
+                                            tokens)
+    updates, opt_state = optimizer.update(jax.tree.map(lambda x: x.astype(np.float32), grads), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  one = SingleDeviceSharding(next(iter(ex.mesh.devices.flat)))
+  abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), t)
+  params = jax.eval_shape(gpt(cfg).init, jax.random.key(0))
+  plain = jax.jit(step, donate_argnums=(0, 1)).lower(
+      abstract(params), abstract(jax.eval_shape(optimizer.init, params)),
+      jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), np.int32, sharding=one)).compile()
+  return _bytes_accessed(plain), plain.as_text()
+
+
+def _bytes_accessed(compiled) -> float:
+  """XLA's cost analysis of a compiled program: a compile-only GPU has none, so XLA's `HloCostAnalysis`
+  of the same optimized program runs through the host's client."""
+  import jax
+  from jaxlib import _hlo, _jax
+
+  cost = compiled.cost_analysis()
+  if not cost:
+    cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, _hlo.hlo_module_from_text(compiled.as_text()))
+  return float(cost["bytes accessed"])
+
+
+@pytest.mark.parametrize("plan", ["zero3", "zeropp", "mics"])
+def test_one_h100_runs_no_collective_no_quantization_and_the_plain_steps_bytes(plan):
+  """On one compile-only H100 (mesh 1 x 1) the plan moves nothing and quantizes nothing: its program has
+  no collective, no int8/int4/float8 array and no quantization kernel, and prefetch is off (nothing to
+  fetch ahead); XLA's bytes accessed are within 5% of a plain `jax.jit(value_and_grad)` + optax step of
+  the same model, dtypes and remat (docs/gpu.md, "Work a device does not need")."""
+  import re
+
+  from zerojax.train.optim import make_optimizer
+
+  gin.clear_config()
+  try:
+    ex, args, cfg = compile_cli.gin_executor([f"configs/{plan}.gin"], SMALL, "h100", 1, 1)
+    prog, _ = gpu_aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
+    plain, plain_text = _plain_bytes(ex, cfg, make_optimizer(total_steps=args["steps"]), args["batch_size"])
+  finally:
+    gin.clear_config()
+  text = prog.as_text()
+  assert not re.findall(r"\b(?:all-gather|reduce-scatter|all-to-all|all-reduce|collective-permute)(?:-start)?\(", text)
+  assert not re.findall(r"\b(?:s8|u8|s4|u4|f8e4m3fn|f8e5m2)\[", text)
+  assert "__gpu$xla.gpu.triton" not in text and "mosaic" not in text.lower()  # no Pallas / Triton / Mosaic kernel
+  assert ex.components.prefetch is False
+  ratio = _bytes_accessed(prog) / plain
+  assert abs(ratio - 1) <= 0.05, f"bytes accessed {ratio:.3f} x the plain step's"

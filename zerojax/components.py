@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from zerojax import comm, gpu_aot, quantization
+from zerojax import comm, gpu_aot, mesh as mesh_lib, quantization
 from zerojax.layout import LeafLayout, pad_flat, unflatten_leaf
 from zerojax.mesh import axis_sizes, group_size, owner_index
 from zerojax.plan import Plan
@@ -57,6 +57,10 @@ class ParamGather:
       keeps the whole gathered weights and re-gathers nothing); `secondary_degree` the devices along them.
     rotate, backend: Hadamard-rotated blocks; the quantization kernels.
     float8: the gather moves float8_e4m3fn blocks with a scale per `block` instead (`Gather.weight_format`).
+    widen_once: on one device (nothing ever moves) the master is rounded to `dtype` and widened to
+      `compute_dtype` once per step in `from_master`, as a plain jitted step casts its weights, instead of
+      at each call of each unit, forward and backward. (On larger meshes dp, ZeRO-1 and ZeRO-2 keep the
+      per-call cast: the same values, but XLA's other fusion moves the last bits of their golden values.)
   """
   axes: tuple[str, ...]
   to_param: tuple[str, ...]
@@ -72,6 +76,7 @@ class ParamGather:
   rotate: bool
   backend: str | None
   float8: bool = False
+  widen_once: bool = False
 
   @property
   def moves(self) -> bool:
@@ -79,12 +84,19 @@ class ParamGather:
     parameter shard is the whole flat leaf and `forward` / `backward` return the shards as they are."""
     return bool(self.axes)
 
+  @property
+  def shard_dtype(self) -> str:
+    """The dtype of the parameter shards the units get: `dtype`, the one they travel in, or with
+    `widen_once` already `compute_dtype`."""
+    return self.compute_dtype if self.widen_once else self.dtype
+
   def from_master(self, master):
-    """The executor's step 0: master shards (over A_os) -> parameter shards (over A_p), in `dtype`."""
-    cast = lambda m: m.astype(self.dtype)
+    """The executor's step 0: master shards (over A_os) -> parameter shards (over A_p), rounded to `dtype`,
+    in `shard_dtype`."""
+    cast, widen = lambda m: m.astype(self.dtype), lambda m: m.astype(self.shard_dtype)
     if not self.to_param:
-      return jax.tree.map(cast, master)
-    return jax.tree.map(lambda m: comm.all_gather_raw(cast(m), self.to_param, axis=m.ndim - 1, tiled=True),
+      return jax.tree.map(lambda m: widen(cast(m)), master)
+    return jax.tree.map(lambda m: widen(comm.all_gather_raw(cast(m), self.to_param, axis=m.ndim - 1, tiled=True)),
                         master)
 
   def forward(self, shards: list, backward: bool = False) -> list:
@@ -121,7 +133,7 @@ class ParamGather:
   def cotangents(self, leaves: tuple[LeafLayout, ...], layers: int | None = None) -> list:
     """Zero cotangents of the parameter shards: the gradient leaves through the sinks."""
     lead = () if layers is None else (layers,)
-    return [jnp.zeros(lead + (l.padded // self.degree,), self.dtype) for l in leaves]
+    return [jnp.zeros(lead + (l.padded // self.degree,), self.shard_dtype) for l in leaves]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,24 +241,37 @@ class Components:
 
 
 def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's compile step)
-  """The components that run a resolved `plan` (`Plan.resolve(mesh)`) on `mesh`."""
+  """The components that run a resolved `plan` (`Plan.resolve(mesh)`) on `mesh`.
+
+  An axis of size 1 moves nothing: every collective, quantization and prefetch is decided here from the
+  axes of size > 1 (the module docstring); on meshes without such axes the plan's axes are kept as they
+  are.
+  """
   s, g, r = plan.sharding, plan.gather, plan.reduction
   sizes = axis_sizes(mesh)
+  moving = lambda axes: tuple(a for a in axes if sizes[a] > 1)
+  node = lambda a: mesh_lib.is_node_axis(a)
   # No kernel_backend named: on GPUs each op's fastest measured kernel (pallas_kernels.kernel_table), else xla.
   kernels = quantization.FASTEST if gpu_aot.is_gpu(mesh) else None
+  p_axes = moving(s.param_axes)
+  secondary = moving(g.secondary_axes) if p_axes and g.secondary_axes else None
   gather = ParamGather(
-      axes=s.param_axes, to_param=s.opt_order[len(s.param_axes):], degree=group_size(mesh, s.param_axes),
-      dtype=g.param_dtype, compute_dtype=g.compute_dtype or g.param_dtype, bits=g.weight_bits,
-      block=g.weight_block, quantize_backward=g.quantize_backward_gather, hierarchical=bool(g.hierarchical),
-      secondary=g.secondary_axes or None,
-      secondary_degree=group_size(mesh, g.secondary_axes) if g.secondary_axes else 1,
-      rotate=g.rotate, backend=g.kernel_backend or kernels, float8=g.weight_format == "float8_e4m3fn")
+      axes=p_axes, to_param=moving(s.opt_order[len(s.param_axes):]), degree=group_size(mesh, s.param_axes),
+      dtype=g.param_dtype, compute_dtype=g.compute_dtype or g.param_dtype, bits=g.weight_bits if p_axes else None,
+      block=g.weight_block, quantize_backward=g.quantize_backward_gather,
+      hierarchical=bool(g.hierarchical) and any(map(node, p_axes)) and not all(map(node, p_axes)),
+      secondary=secondary, secondary_degree=group_size(mesh, secondary) if secondary else 1,
+      rotate=g.rotate and bool(p_axes), backend=g.kernel_backend or kernels,
+      float8=g.weight_format == "float8_e4m3fn" and bool(p_axes), widen_once=mesh.size == 1)
+  g_axes = moving(s.grad_order)
   reduction = GradReduction(
-      order=s.grad_order, sizes=tuple(sizes[a] for a in s.grad_order),
-      dtype=r.reduce_dtype, all_to_all=r.gradient_all_to_all, bits=r.grad_bits, block=r.grad_block,
-      stages=r.qgz_stages, rotate=r.rotate, backend=r.kernel_backend or kernels, error_feedback=r.grad_error_feedback,
+      order=g_axes, sizes=tuple(sizes[a] for a in g_axes), dtype=r.reduce_dtype,
+      all_to_all=r.gradient_all_to_all and bool(g_axes), bits=r.grad_bits if g_axes else None,
+      block=r.grad_block, stages=r.qgz_stages, rotate=r.rotate and bool(g_axes),
+      backend=r.kernel_backend or kernels, error_feedback=r.grad_error_feedback,
       stochastic_rounding=r.stochastic_rounding, owner=plan.name)
-  to_opt, replicas = s.opt_order[len(s.grad_order):], s.replica_axes(mesh)
+  to_opt, replicas = moving(s.opt_order[len(s.grad_order):]), moving(s.replica_axes(mesh))
   # `Plan` refuses sync_in_backward where A_os is finer than A_g (`to_opt` is then empty).
   sync = BoundarySync(to_opt, replicas, in_backward=bool(plan.sync.sync_in_backward and replicas))
-  return Components(gather, reduction, sync, plan.remat_mode, bool(plan.schedule.prefetch))
+  return Components(gather, reduction, sync, plan.remat_mode, bool(plan.schedule.prefetch) and gather.moves,
+                    data_axes=moving(mesh.axis_names))

@@ -261,9 +261,9 @@ class Executor:
     else:
       (acc, mutable, carried), (losses, aux) = lax.scan(micro, (zeros_g, mutable, carried), (batch, index))
       acc = sync(acc, all_reduce=syncer is None)
-    loss = lax.pmean(jnp.mean(losses), self.data_axes)
-    aux = jax.tree.map(lambda a: lax.pmean(jnp.mean(_inexact(a), axis=0), self.data_axes), aux)
-    mutable = jax.tree.map(lambda m: lax.pmean(m, self.data_axes) if _is_inexact(m) else m, mutable)
+    loss = parts.mean(jnp.mean(losses))  # over the axes of size > 1: none on one device
+    aux = jax.tree.map(lambda a: parts.mean(jnp.mean(_inexact(a), axis=0)), aux)
+    mutable = jax.tree.map(lambda m: parts.mean(m) if _is_inexact(m) else m, mutable)
     # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
     denom = self.world * self.accum_steps
     out = {n: carried.get(n) for n in self.stateful}
@@ -387,10 +387,10 @@ class Executor:
     def local(master, batch, mutable):
       shards = self.components.gather.from_master(master)
       loss, aux, _ = call_loss(self.model, self._units(shards, shards), batch, None, mutable)
-      loss = lax.pmean(loss, self.data_axes)
+      loss = self.components.mean(loss)
       if not self.model.has_aux:
         return loss
-      return loss, jax.tree.map(lambda a: lax.pmean(_inexact(a), self.data_axes), aux)
+      return loss, jax.tree.map(lambda a: self.components.mean(_inexact(a)), aux)
     run = jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(self.data_axes), P()),
                                 out_specs=P(), check_vma=False))
     return lambda params, batch, mutable=None: run(params, batch, mutable)

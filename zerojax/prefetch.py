@@ -16,7 +16,9 @@ params it is `lax.scan`; with a `ShardedUnit` and `prefetch=False` each layer is
   node), reduces layer i+1's gradient (carried unreduced from the previous iteration; qgZ: both hops,
   the cross-node one included, with that layer's error-feedback buffers and rounding seed) and runs
   layer i's VJP. The last two reductions follow the loop. The MiCS in-backward replica all-reduce rides
-  with each reduction.
+  with each reduction; it needs the reduction's result, so under remat "full" layer i's cotangent waits
+  for layer i+1's reduced gradient (an optimization barrier): the reduction runs beside layer i's
+  recomputed forward and the all-reduce over the replicas beside its backward (`_reduce_beside`).
 
 The first and last layers are peeled out of the loops, so every layer is gathered exactly once per
 direction and reduced exactly once: the same collectives as without prefetch, in a different order.
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zerojax.unit import (CallOrder, ShardedUnit, UnitMeta, call_backward, call_forward, check_collectives,
-                          ordered_after, reduce_and_sync, shard_cotangents, sharded_call, unit)
+                          ordered_after, reduce_and_sync, shard_cotangents, sharded_call, sync_replicas, unit)
 
 
 def scan_layers(f: Callable, params: Any, x: Any) -> Any:
@@ -91,6 +93,26 @@ def _forward(f, meta: UnitMeta, shards: list, args: tuple, differentiated: bool)
   return out, ((kept if hpz else shards), saved, last)
 
 
+def _reduce_beside(meta: UnitMeta, dp, window, state, g):
+  """Layer i+1's gradient reduction (and replica sync), to run beside layer i's VJP, whose cotangent is
+  `g`: `((chunks, new errors), g)`.
+
+  With the in-backward sync (`window`) the all-reduce over the replicas needs the reduction's result:
+  left alone, XLA:GPU schedules the reduction beside all of layer i's compute and the all-reduce after
+  it, beside nothing. Under remat "full" layer i's VJP first recomputes its forward, which does not need
+  `g`; so `g` and the reduced chunks pass one optimization barrier: the reduction runs beside the
+  recomputed forward, the all-reduce (the slow, cross-node link) beside the backward. Values are
+  untouched (XLA:CPU drops the barrier; its numbers stay bitwise). Under "dots" / "none" the whole VJP
+  needs `g`, and the barrier would leave the reduction and the gather without compute: the all-reduce
+  follows the reduction as before. (Issuing the all-reduce an iteration later instead peels one more
+  layer out of the loop: a 4-layer stack keeps a loop of one trip, which XLA inlines, and its combiners
+  then merge every layer's collectives into one each, overlapping nothing.)"""
+  chunks, error = reduce_and_sync(meta, dp, None, state)
+  if window is not None and meta.remat == "full":
+    g, chunks = lax.optimization_barrier((g, chunks))
+  return (sync_replicas(meta, chunks, window), error), g
+
+
 def _backward(f, meta: UnitMeta, residual, window, state, g):
   """The backward over the layers, each layer's gradient reduced while the next layer's VJP runs."""
   kept, saved, last = residual
@@ -107,15 +129,15 @@ def _backward(f, meta: UnitMeta, residual, window, state, g):
     def body(carry, xs):  # layer i = n-2 .. 1
       g, w, dp_next = carry
       k_prev, saved_i, win_next, state_next = xs
-      w_prev = meta.gather.backward(k_prev)                               # layer i-1, ahead
-      reduced_next = reduce_and_sync(meta, dp_next, win_next, state_next)  # layer i+1's gradient
-      dp, (g,) = call_backward(f, meta, w, saved_i, g)                    # layer i
+      w_prev = meta.gather.backward(k_prev)                                      # layer i-1, ahead
+      reduced_next, g = _reduce_beside(meta, dp_next, win_next, state_next, g)  # layer i+1's gradient
+      dp, (g,) = call_backward(f, meta, w, saved_i, g)                           # layer i
       return (g, w_prev, dp), reduced_next
 
     rest = (_at(kept, slice(0, n - 2)), _at(saved, slice(1, n - 1)), _at(window, slice(2, None)),
             _at(state, slice(2, None)))
     (g, w, dp1), top = lax.scan(body, (g, w_prev, dp), rest, reverse=True)
-    one = layer(dp1, 1)
+    one, g = _reduce_beside(meta, dp1, _at(window, 1), _at(state, 1), g)
     dp0, (g,) = call_backward(f, meta, w, _at(saved, 0), g)
     reduced = jax.tree.map(lambda a, b, c: jnp.concatenate([a[None], b[None], c]), layer(dp0, 0), one, top)
   dsinks, error = reduced

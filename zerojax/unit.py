@@ -106,11 +106,18 @@ def params_tree(meta: UnitMeta, flats: list) -> Any:
 def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, state: tuple = (None, None)):
   """`(reduced chunks, new error-feedback state or None)`: the gradient reduced over A_g; with `window`
   (the accumulated sinks of the window's last micro-step) also all-reduced over the replica axes, the
-  sync of MiCS §3.4 overlapped with the rest of the backward."""
+  sync of MiCS §3.4 overlapped with the rest of the backward (`sync_replicas`). `PREFETCH` calls the
+  two halves apart (window None, then `sync_replicas`), to let layer i's backward wait between them."""
   dsinks, error = meta.reduction(dparams, meta.leaves, state)
-  if window is not None:
-    dsinks = [lax.psum(d + w, meta.sync_axes) for d, w in zip(dsinks, window)]
-  return dsinks, error
+  return sync_replicas(meta, dsinks, window), error
+
+
+def sync_replicas(meta: UnitMeta, dsinks: list, window: list | None) -> list:
+  """The second half of `reduce_and_sync`: the reduced chunks plus the window's accumulation, all-reduced
+  over the replica axes (`meta.sync_axes`); the chunks as they are without `window`."""
+  if window is None:
+    return dsinks
+  return [lax.psum(d + w, meta.sync_axes) for d, w in zip(dsinks, window)]
 
 
 def shard_cotangents(meta: UnitMeta, layers: int | None = None) -> list:
@@ -196,7 +203,8 @@ def _one_forward(f, meta, shards, args, differentiated):
   weights."""
   if not differentiated:
     return call_forward(f, meta, meta.gather.forward(shards), args, False)
-  flats = meta.gather.forward(ordered_after(shards, args))
+  # A gather that moves nothing returns the shards themselves: there is nothing to order.
+  flats = meta.gather.forward(ordered_after(shards, args) if meta.gather.moves else shards)
   kept = meta.gather.keep(shards, flats)
   out, saved = call_forward(f, meta, flats, args)
   return out, (kept, saved, _scalars(out))
@@ -213,6 +221,10 @@ def _scalars(out):
 def _one_backward(f, meta, residual, window, state, g):
   """The unit's call order, backward: re-gather once the cotangent exists, VJP, reduce (and sync)."""
   kept, saved, out = residual
+  if not meta.gather.moves:  # nothing is gathered (dp, zero1, zero2, any plan on one device): no order to keep
+    dparams, dargs = call_backward(f, meta, meta.gather.backward(kept), saved, g)
+    dsinks, error = reduce_and_sync(meta, dparams, window, state)
+    return shard_cotangents(meta), dsinks, error, dargs
   if out is not None:  # on GPUs only; XLA:CPU's program is left as it was
     g = lax.platform_dependent(g, out, cpu=lambda c, o: c, default=ordered_after)
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward

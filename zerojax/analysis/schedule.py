@@ -11,7 +11,11 @@ not depend on.
 `schedule_from_hlo` lists, per collective of a train step (`collectives_from_hlo`, with its role):
 whether it is async, whether it runs inside a layer loop (a `while` of the model's forward or backward,
 i.e. one under `jvp(`), and how many matmuls and kernels (fusions, custom calls) the schedule runs
-between its start and done. `gathered_alive` reads the live ranges of the gathered weights.
+between its start and done. XLA:GPU's combiners pack several collectives into one buffer and drop their
+source paths, which stay on the slices that unpack the result: such a collective gets the role its parts
+have (`recovered_role`), so that every collective of a step has one (the in-backward replica all-reduce
+of MiCS is "replica sync", the partial sums of the gradient norm "metrics"). `gathered_alive` reads the
+live ranges of the gathered weights.
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5.3 and §7 (prefetch and overlap of the parameter gathers).
@@ -25,7 +29,7 @@ import re
 from zerojax.analysis.collectives import Collective, collectives_from_hlo
 from zerojax.analysis.hlo_text import (Instr, Module, arrays, async_start_of, attr, callees, done_of, enclosing_loops,
                                        nbytes)
-from zerojax.analysis.roles import op_name
+from zerojax.analysis.roles import label_roles, op_name
 
 LAYER_ROLES = ("forward all-gather", "backward all-gather", "gradient reduction")
 _ALIASES = ("get-tuple-element", "bitcast", "tuple", "copy")
@@ -112,6 +116,52 @@ def _start(mod: Module, c: Collective):
   raise ValueError(f"collective {c.name} is not in the HLO")
 
 
+_SLICES = frozenset({"slice", "get-tuple-element", "bitcast"})
+
+
+def _parts(mod: Module, comp: str, value: Instr) -> list[Instr]:
+  """The instructions that unpack a combined collective's result into its parts (slices, or a fusion
+  of slices, tuple elements); empty when something else uses it whole."""
+  users = mod.users[comp].get(value.name, [])
+  unpack = lambda u: u.opcode in _SLICES or (u.opcode == "fusion" and all(
+      i.opcode in _SLICES | {"parameter"} for c in callees(u) for i in mod.comps.get(c, [])))
+  return users if users and all(unpack(u) for u in users) else []
+
+
+def recovered_role(mod: Module, comp: str, c: Collective, value: Instr, depth: int = 8) -> str:
+  """The role of a collective that has no source path of its own (`c.op_name` empty): labelled
+  (`roles.label_roles`) with the source paths of the nearest users of its result that carry one, as
+  parts of the shapes its result is unpacked into (a combined all-reduce of two scalar partial sums is
+  "metrics", as each scalar's would be); the role those paths agree on most, `c.role` when none says.
+
+  Args:
+    mod, comp: the module and the computation holding the collective.
+    c: the collective as read (role from the op alone).
+    value: the instruction holding its result (the `-done` of an async pair).
+  """
+  parts = _parts(mod, comp, value)
+  shapes = tuple(dims for p in parts for _, dims in arrays(p.shape)) or c.operand_shapes
+  names, frontier, seen = [], [value], {value.name}
+  for _ in range(depth):
+    nxt = []
+    for instr in frontier:
+      for user in mod.users[comp].get(instr.name, []):
+        name = op_name(user.attrs)
+        if name:
+          names.append(name)
+        elif user.name not in seen:
+          seen.add(user.name)
+          nxt.append(user)
+    if names or not nxt:
+      break
+    frontier = nxt
+  if not names:
+    return c.role
+  found = [r.role for r in label_roles([dataclasses.replace(c, op_name=n, operand_shapes=shapes) for n in names])]
+  named = [r for r in found if r != "other"] or found
+  return max(sorted(set(named)), key=named.count)
+
+
 def schedule_from_hlo(hlo_text: str, mesh, *, collectives: list[Collective] | None = None) -> list[Scheduled]:
   """Each collective of an optimized, scheduled HLO text with what overlaps it (see the module docstring).
 
@@ -119,12 +169,18 @@ def schedule_from_hlo(hlo_text: str, mesh, *, collectives: list[Collective] | No
     hlo_text: `compiled.as_text()` of a program sharded over `mesh`.
     mesh: its mesh (as for `collectives_from_hlo`).
     collectives: the program's collectives when already read.
+
+  Returns:
+    One `Scheduled` per collective, in the order read; a collective without a source path of its own
+    carries the role recovered from its users (`recovered_role`).
   """
   mod = Module(hlo_text)
   out = []
   for c in collectives if collectives is not None else collectives_from_hlo(hlo_text, mesh):
     comp, start = _start(mod, c)
     done = done_of(mod, comp, start) if start.opcode.endswith("-start") else None
+    if not c.op_name:
+      c = dataclasses.replace(c, role=recovered_role(mod, comp, c, done or start))
     loops = enclosing_loops(mod, comp)
     m = k = 0
     if done is not None:
@@ -139,10 +195,12 @@ def schedule_from_hlo(hlo_text: str, mesh, *, collectives: list[Collective] | No
 
 
 def overlap_summary(scheduled: list[Scheduled]) -> dict:
-  """Per role, the layer-loop collectives, and those with at least one matmul between start and done."""
+  """Per role (every role found in the layer loops: the three of `LAYER_ROLES`, MiCS's in-backward
+  "replica sync", ...), the layer-loop collectives, and those with at least one matmul between start and
+  done."""
   out = {}
   for s in scheduled:
-    if s.in_layer_loop and s.collective.role in LAYER_ROLES:
+    if s.in_layer_loop:
       e = out.setdefault(s.collective.role, {"in_loop": 0, "overlapped": 0})
       e["in_loop"] += 1
       e["overlapped"] += int(s.matmuls > 0)

@@ -55,7 +55,8 @@ def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int
   spans nodes gathers in two stages (MiCS §3.3, `hierarchical_all_gather`); the result is identical.
   With `rotate` each block is Hadamard-rotated before quantization and back after (SDP4Bit §3.2).
   With `float8` (instead of `bits`) the blocks travel as float8_e4m3fn codes and fp32 scales
-  (`quantization.quantize_float8`, FP8-LM §2.1), in the same wire layout.
+  (`quantization.quantize_float8`, FP8-LM §2.1), in the same wire layout. Without `axes` (a group of one
+  device) the shards are the leaves: nothing moves, nothing is quantized.
   """
   if not axes:
     return list(shards)

@@ -87,10 +87,14 @@ def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tup
       (in the rotated domain with `rotate`). Each is added before its hop's quantization.
 
   Returns:
-    The chunk `[c]`; with `error`, `(chunk, (e_send, e_node))` with this call's errors. Everything the
+    The chunk `[c]` (the gradient itself for a group of one device: nothing is quantized); with `error`,
+    `(chunk, (e_send, e_node))` with this call's errors. Everything the
     quantizations drop is in the errors: over the group, the chunks plus the change of the errors'
     sums equal the inputs' sum (to fp32 rounding).
   """
+  if math.prod(sizes) == 1:  # a group of one device: nothing leaves it, so nothing is quantized or dropped
+    out = grad_W_c.astype(jnp.float32)
+    return out if error is None else (out, jax.tree.map(jnp.zeros_like, error))
   intra, inter = (bits, bits) if isinstance(bits, int) else bits
   noise = lambda i, shape: None if key is None else hadamard.uniform(jax.random.fold_in(key, i), shape)
   if not block:  # 0: one scale per slab (non-blocked)

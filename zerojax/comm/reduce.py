@@ -56,10 +56,12 @@ def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], sizes: tu
   With `bits` the sum is qgZ's 2-hop quantized all-to-all (`zerojax.qgz`); with `all_to_all` the same
   hops move the gradient's own words (`all_to_all_reduce_scatter`); else `psum_scatter`. `fidelity`
   (`rotate`, `key`, `error`) passes on to qgZ. With `error` (the unit's packed buffers) the result is
-  `(chunks, new error)`.
+  `(chunks, new error)`. Without `axes` (a group of one device) nothing moves and nothing is quantized:
+  the gradients are the chunks (and the new error is zero).
   """
   if not axes:
-    return list(grads)
+    error = fidelity.get("error")
+    return list(grads) if error is None else (list(grads), jax.tree.map(jnp.zeros_like, error))
   k = math.prod(sizes)
   chunks = [g.shape[0] // k for g in grads]
   buf_kxC = jnp.concatenate([g.reshape(k, c) for g, c in zip(grads, chunks)], axis=1)
