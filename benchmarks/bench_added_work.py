@@ -13,7 +13,8 @@ run: on CPU (8 simulated devices) and, with jax's CUDA plugin (`zerojax.gpu_aot`
 H100s. Figures per device (the programs are per-device SPMD programs):
 
   * `xla_bytes`: `compiled.cost_analysis()['bytes accessed']` of the step as XLA reports it (XLA counts a
-    loop's body once, whatever its trip count);
+    loop's body once, whatever its trip count; a compile-only GPU has no cost analysis, so there XLA's
+    `HloCostAnalysis` of the same optimized program runs through the host's client);
   * `model`: the optimized program read instruction by instruction (`work`): every kernel weighted by the
     trip counts of the loops that hold it: `bytes` (operands read + results written; a slice of an
     operand counts as the slice, an in-place dynamic-update-slice as its update), `fusions` (non-matmul
@@ -25,7 +26,9 @@ H100s. Figures per device (the programs are per-device SPMD programs):
     bytes at L1 by the jax primitive that emitted them (the last element of the HLO op_name).
 
 A plan with sharded state can add negative bytes at 2 x 4 (its optimizer updates 1/8 of the state).
-Prints one JSON object and writes it to --out.
+Prints one JSON object and writes it to --out (as it goes); `--before FILE` (this benchmark's output for
+the code before a change) adds `before_after`, `--notes FILE` a JSON object of notes. A full run (16
+configs, two meshes, CPU and H100) takes about an hour on two cores.
 """
 from __future__ import annotations
 
@@ -58,11 +61,9 @@ from zerojax import gpu_aot  # noqa: E402
 from zerojax.analysis.hlo_text import OPS, Module, arrays, attr, callees, nbytes  # noqa: E402
 from zerojax.cli import account  # noqa: E402
 from zerojax.models.gpt import Block, embed_tokens, head_loss  # noqa: E402
-from zerojax.train import trainer  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMED = ("dp", "zero1", "zero2", "zero3", "zeropp", "mics")  # the plan constructors' own configs
 CONFIGS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "configs", "*.gin"))
                  if not p.endswith(("base.gin", "auto.gin")))
 MODEL = ["model_config.d_model=128", "model_config.num_heads=4", "model_config.seq_len=128",
