@@ -12,6 +12,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+# Benchmarks' own checks: they run the benchmarks, so they belong to the full suite (CI), not the fast one.
+pytestmark = pytest.mark.slow
+
 
 def load(name):
   spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
