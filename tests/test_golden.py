@@ -100,20 +100,16 @@ def fingerprint(hlo_text: str, mesh) -> list[str]:
 def environment() -> dict:
   """What the bitwise values depend on besides the code: jax, jaxlib, and the CPU's vector instruction sets."""
   import jaxlib
-  flags = set()
   try:
     with open("/proc/cpuinfo") as f:
-      flags = set(next((l.split(":", 1)[1].split() for l in f if l.startswith("flags")), []))
+      info = dict(l.split(":", 1) for l in f.read().split("\n\n")[0].splitlines() if ":" in l)
   except OSError:
-    pass
+    info = {}
+  info = {k.strip(): v.strip() for k, v in info.items()}
+  flags = set(info.get("flags", "").split())
   isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
          if f in flags]
-  model = ""
-  try:
-    with open("/proc/cpuinfo") as f:
-      model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
-  except OSError:
-    pass
+  model = info.get("model name", "")
   return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "machine": platform.machine(),
           "cpu": model or platform.processor(), "cpu_isa": isa}
 
