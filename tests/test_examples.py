@@ -20,12 +20,25 @@ def mesh():
   return zerojax.make_mesh(2, 4)
 
 
-def check_against_reference(ex, apply_fn, batch, mesh):
+def _f64(tree):
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+                      else x, tree)
+
+
+def check_against_reference(ex, apply_fn, batch, mesh, x64=False):
+  """Against the unsharded reference; `x64`: computed in float64 and rounded to float32 (for a model with
+  no random draws: float64 draws other dropout masks). The jitted float32 reference of the BatchNorm ResNet
+  is itself 7.6e-4 (relative L2) away from float64, while the executor and the op-by-op float32 reference
+  are within 2e-7 of it."""
   state = ex.init(jax.random.key(0))
   v0 = fm.copy(ex.logical_variables(state))
   key = jax.random.wrap_key_data(jnp.array(state.rng))
-  grad, loss, aux, stats = fm.reference(apply_fn, v0["params"], {k: v for k, v in v0.items() if k != "params"},
-                                        batch, key, mesh.size)
+  cast = _f64 if x64 else (lambda t: t)
+  with jax.enable_x64(x64):
+    ref = fm.reference(apply_fn, cast(v0["params"]), cast({k: v for k, v in v0.items() if k != "params"}),
+                       cast(batch), key, mesh.size)
+    grad, loss, aux, stats = jax.tree.map(
+        lambda x: np.asarray(x, np.float32) if np.issubdtype(np.asarray(x).dtype, np.floating) else np.asarray(x), ref)
   got, metrics, state = fm.step_grads(ex, state, batch)
   assert helpers.rel_l2(got, grad) < 2e-6
   np.testing.assert_allclose(float(metrics.loss), float(loss), rtol=1e-5)
@@ -49,7 +62,7 @@ def test_resnet_matches_unsharded_apply(mesh):
   ex = resnet.build(SMALL_RESNET, zerojax.zero3(param_dtype="float32"), mesh, helpers.capture_grads())
   batch = resnet.synthetic_batch(np.random.default_rng(0), 64, accum=1)
   apply_fn = fm.linen_apply(SMALL_RESNET, resnet.loss_fn, rngs=())
-  got, want = check_against_reference(ex, apply_fn, batch, mesh)
+  got, want = check_against_reference(ex, apply_fn, batch, mesh, x64=True)
   assert helpers.max_rel_diff(got["batch_stats"], want["batch_stats"]) < 1e-5
 
 
