@@ -17,6 +17,7 @@ from pallas_kernels import hadamard
 from tests import helpers
 from tests.helpers import data
 from zerojax import layout as layout_lib
+from zerojax.comm import formats
 from zerojax import plan as plans
 from zerojax import quantization as q
 from zerojax.comm import qgz
@@ -97,13 +98,16 @@ def _qgz(mesh, x_Dxn, **kw):
   """qgZ over the whole mesh of each device's row; with `error`, also the per-device new errors."""
   ef = kw.pop("ef", False)
   sr = kw.pop("sr", False)
+  bits = kw.pop("bits")
+  kw["formats"] = tuple(formats.integer(b, BLOCK) for b in bits) if isinstance(bits, tuple) \
+      else formats.integer(bits, BLOCK)
   d, n = x_Dxn.shape
   nodes = mesh.shape["node"]
 
   def body(g, es, en):
     key = jax.random.fold_in(jax.random.key(5), jax.lax.axis_index(ALL)) if sr else None
     err = (es[0], en[0]) if ef else None
-    r = qgz.qgz_reduce_scatter(g[0], axes=ALL, sizes=(nodes, d // nodes), block=BLOCK, key=key, error=err, **kw)
+    r = qgz.qgz_reduce_scatter(g[0], axes=ALL, sizes=(nodes, d // nodes), key=key, error=err, **kw)
     return (r[0][None], r[1][0][None], r[1][1][None]) if ef else (r[None], es, en)
   sh = NamedSharding(mesh, P(ALL))
   args = [jax.device_put(a, sh) for a in (x_Dxn, np.zeros_like(x_Dxn), np.zeros((d, n // (d // nodes)), np.float32))]

@@ -162,3 +162,36 @@ def test_eval_fn_returns_loss_and_aux(linen, mesh):
   per = [ce[d * 8:(d + 1) * 8].sum() / max(micro["w"][d * 8:(d + 1) * 8].sum(), 1) for d in range(8)]
   np.testing.assert_allclose(float(loss), np.mean(per), rtol=1e-5)
   assert set(aux) == {"accuracy", "weight"}
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_qgz_error_feedback_and_stochastic_rounding_reach_flax_units(kind, mesh):
+  """The reduction's per-call state (`ShardedUnit.state`) passes through the adapters: int4 qgZ with error
+  feedback and stochastic rounding runs on linen and NNX units; the gradient stays within int4 qgZ's
+  error of the unsharded apply (relative L2 measured 0.26 linen, 0.32 NNX; rounding to nearest 0.18 and
+  0.23: stochastic rounding adds variance, the first step's errors start from zero), rounds otherwise than
+  to nearest, and leaves each device's dropped residue as finite, non-zero error buffers."""
+  model, apply_fn = make_linen(scan=False) if kind == "linen" else make_nnx()
+  batch = fm.batch(64, accum=1, seed=3)
+  v0, (grad, *_) = run_reference(model, apply_fn, mesh, batch, accum_steps=1)
+  got = {}
+  for name, kw in {"nearest": {}, "ef_sr": dict(grad_error_feedback=True, stochastic_rounding=True)}.items():
+    plan = zerojax.zero3(param_dtype="float32", grad_bits=4, **kw)
+    ex = zerojax.Executor(model, helpers.capture_grads(), plan, mesh, accum_steps=1)
+    state = ex.init_from_params(v0["params"], {"batch_stats": v0["batch_stats"]})
+    got[name], _, state = fm.step_grads(ex, state, batch)
+  errors = jax.tree.leaves(state.grad_error)
+  assert errors and all(bool(jnp.all(jnp.isfinite(e))) for e in errors)
+  assert any(float(jnp.max(jnp.abs(e))) > 0 for e in errors)
+  assert helpers.rel_l2(got["ef_sr"], grad) < 0.45, helpers.rel_l2(got["ef_sr"], grad)
+  assert helpers.rel_l2(got["ef_sr"], got["nearest"]) > 0
+
+
+def test_scanned_flax_unit_with_qgz_state_is_refused(linen, mesh):
+  """flax calls an nn.scan unit's layers one by one: its layers cannot get their slice of the state."""
+  model, batch, v0, _ = linen
+  plan = zerojax.zero3(param_dtype="float32", grad_bits=4, grad_error_feedback=True)
+  ex = zerojax.Executor(model, helpers.capture_grads(), plan, mesh, accum_steps=ACCUM)
+  state = ex.init_from_params(v0["params"], {"batch_stats": v0["batch_stats"]})
+  with pytest.raises(ValueError, match=r"calls this scanned unit's layers one by one; make each layer its own unit"):
+    ex.step_fn()(state, batch)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import gpu_aot, quantization as Q
+from zerojax import gpu_aot, kernel_choice, quantization as Q
 
 BLOCK = 64
 N, G = 2, 4
@@ -259,15 +259,15 @@ def test_gpu_default_is_the_measured_tables_fastest_that_lowers(monkeypatch):
   from pallas_kernels import kernel_table
   monkeypatch.delenv("ZEROJAX_TRITON_COMPUTE_CAPABILITY", raising=False)
   assert kernel_table.ranking("quantize", 8, rotate=True)[0] == "pallas"  # 1,282 GB/s against 132 (xla)
-  assert Q.gpu_default("quantize", 4, 256, rotate=True) == "pallas"
-  assert Q.gpu_default("dequantize", 4, 256) == "xla"                     # xla measured fastest
-  assert Q.gpu_default("quantize", 8, 100, rotate=False) == "xla"          # no compiled kernel: not a power of 2
-  assert Q.gpu_default("quantize", 4, 256) == "xla"  # triton measured fastest, but no target capability known
+  assert kernel_choice.gpu_default("quantize", 4, 256, rotate=True) == "pallas"
+  assert kernel_choice.gpu_default("dequantize", 4, 256) == "xla"                     # xla measured fastest
+  assert kernel_choice.gpu_default("quantize", 8, 100, rotate=False) == "xla"          # no compiled kernel: not a power of 2
+  assert kernel_choice.gpu_default("quantize", 4, 256) == "xla"  # triton measured fastest, but no target capability known
   monkeypatch.setenv("ZEROJAX_TRITON_COMPUTE_CAPABILITY", "90")
   if importlib.util.find_spec("jax_triton") is not None:
-    assert Q.gpu_default("quantize", 4, 256) == "triton"
-    assert Q.gpu_default("quantize", 4, 256, noisy=True) == "xla"          # triton has no stochastic rounding
-  assert Q.default_backend() == "xla"                                      # on this CPU host
+    assert kernel_choice.gpu_default("quantize", 4, 256) == "triton"
+    assert kernel_choice.gpu_default("quantize", 4, 256, noisy=True) == "xla"          # triton has no stochastic rounding
+  assert kernel_choice.default_backend() == "xla"                                      # on this CPU host
 
 
 @pytest.mark.gpu_compile
@@ -282,7 +282,7 @@ def test_default_backend_on_h100s_runs_the_rotated_int4_path_in_kernels():
   mesh = Mesh(np.array(_devices("h100", "1x2x4")).reshape(N, G), ("node", "gpu"))
   plan = zerojax.plan.zeropp(weight_bits=4, grad_bits=4, rotate=True)
   ex = zerojax.Executor(tiny_gpt(), optimizer(), plan, mesh, accum_steps=1)
-  assert ex.components.gather.backend == Q.FASTEST
+  assert ex.components.gather.backend == kernel_choice.FASTEST
   shapes = jax.eval_shape(ex.init, jax.random.key(0))
   state = jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h),
                        shapes, ex.shardings(shapes))

@@ -4,10 +4,10 @@ Layers (docs/DESIGN.md, "Layers"), lowest first; a module may import modules of 
 layer, or of its own group (folder, or the core modules among themselves), never upward or sideways:
 
   0  pallas_kernels                                       the GPU kernels
-  1  zerojax.mesh | zerojax.quantization | zerojax.gpu_aot  the mesh | the kernels' front | compile-only GPUs
+  1  zerojax.mesh | zerojax.{quantization, kernel_choice} | zerojax.gpu_aot  the mesh | the kernels' front | compile-only GPUs
   2  zerojax.comm                                         the collectives
-  3  zerojax.{plan_values, plan, components, layout, remat, fidelity, unit, prefetch, executor, memory, logical,
-     stateful, radius_sync, train_state, jaxpr_walk}      core: the plan, its components and the one executor
+  3  zerojax.{plan_values, plan, components, layout, remat, fidelity, unit, prefetch, scan_layers, executor,
+     state_views, step, memory, logical, stateful, radius_sync, train_state, jaxpr_walk}      core: the plan, its components and the one executor
   4  zerojax.models | zerojax.planner                     models | the AMSP planner
   5  zerojax.train | zerojax.analysis                     trainer | reading compiled programs
   6  zerojax.cli                                          commands
@@ -18,11 +18,13 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import re
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CORE = ("plan_values", "plan", "components", "layout", "remat", "fidelity", "unit", "prefetch", "executor",
+CORE = ("plan_values", "plan", "components", "layout", "remat", "fidelity", "unit", "prefetch", "scan_layers",
+        "executor", "state_views", "step",
         "memory", "logical", "model", "stateful", "radius_sync", "train_state", "jaxpr_walk")
 MAX_LINES = 500
 
@@ -35,7 +37,9 @@ def group_of(module: str) -> tuple[int, str]:
   if module == "zerojax":
     return 7, "api"
   top = parts[1]
-  if top in ("mesh", "quantization", "gpu_aot"):
+  if top in ("quantization", "kernel_choice"):
+    return 1, "quantization"
+  if top in ("mesh", "gpu_aot"):
     return 1, top
   if top == "comm":
     return 2, "comm"
@@ -131,6 +135,16 @@ def test_nothing_in_the_library_imports_analysis():
 def test_the_check_catches_bad_edges(edges, expect):
   found = violations(edges)
   assert any(expect in v for v in found), found
+
+
+def test_design_layer_table_names_the_core_modules():
+  """The "Layers" table of docs/DESIGN.md lists, in its core row, exactly the core modules this test checks."""
+  text = (ROOT / "docs/DESIGN.md").read_text()
+  row = next(line for line in text.splitlines() if line.startswith("| 3 | core:"))
+  listed = set(re.findall(r"`(\w+)`", row.split("|")[2]))
+  assert listed == set(CORE), f"DESIGN lists {sorted(listed ^ set(CORE))} differently from CORE"
+  on_disk = {p.stem for p in (ROOT / "zerojax").glob("*.py")} - {"__init__", "mesh", "quantization", "kernel_choice", "gpu_aot"}
+  assert on_disk == set(CORE), f"core modules on disk and in CORE differ: {sorted(on_disk ^ set(CORE))}"
 
 
 def test_files_are_short():

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax import analysis, comm, mesh as mesh_lib, plan as plans
+from zerojax.comm import formats
 from zerojax.memory import memory_report
 from zerojax.train import checkpoint, state_spec
 from tests import helpers
@@ -136,7 +137,7 @@ def test_hierarchical_gather_is_bitwise_the_flat_gather(bits, dtype):
   assert axes == ("node.2", "gpu")
   spec = P(("node.4",) + axes)
   full = jnp.asarray(np.random.default_rng(0).standard_normal(8 * 256), dtype)
-  gather = lambda x, h: comm.all_gather_unit([x], axes, bits=bits, block=64, hierarchical=h)[0]
+  gather = lambda x, h: comm.all_gather_unit([x], axes, fmt=formats.integer(bits, 64), hierarchical=h)[0]
   outs, egress = {}, {}
   for h in (False, True):
     f = shmap(functools.partial(gather, h=h), mesh, spec, spec)

@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax import quantization as Q
+from zerojax import kernel_choice, quantization as Q
 
 BLOCK = 64
 N, G = 2, 4
@@ -97,10 +97,10 @@ def test_bad_arguments():
 
 
 def test_default_backend_env(monkeypatch):
-  monkeypatch.delenv(Q.ENV_VAR, raising=False)
-  assert Q.default_backend() == "xla"
-  monkeypatch.setenv(Q.ENV_VAR, "pallas")
-  assert Q.default_backend() == "pallas"
+  monkeypatch.delenv(kernel_choice.ENV_VAR, raising=False)
+  assert kernel_choice.default_backend() == "xla"
+  monkeypatch.setenv(kernel_choice.ENV_VAR, "pallas")
+  assert kernel_choice.default_backend() == "pallas"
   v, s = Q.quantize(_data(256, specials=False), 8, BLOCK)
   _assert_same(v, Q.quantize(_data(256, specials=False), 8, BLOCK, backend="xla")[0])
 

@@ -67,7 +67,7 @@ def test_one_device_program_has_no_collective_and_no_quantization(name):
   assert not QUANTIZED.findall(hlo), sorted(set(QUANTIZED.findall(hlo)))
   c = ex.components
   assert (c.gather.axes, c.gather.to_param, c.reduction.order, c.sync.to_opt, c.sync.replicas) == ((),) * 5
-  assert (c.gather.bits, c.gather.secondary, c.reduction.bits, c.prefetch, c.data_axes) == (None, None, None, False, ())
+  assert (c.gather.wire_format, c.gather.secondary, c.reduction.hop_formats, c.prefetch, c.data_axes) == (None, None, None, False, ())
   assert c.gather.shard_dtype == "float32"  # rounded to bf16 and widened once per step, not at every call
 
 

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax import analysis, comm, plan as plans
-from zerojax.comm import qgz
+from zerojax.comm import formats, qgz
 from tests import helpers
 from tests.helpers import data, run
 
@@ -35,7 +35,7 @@ def test_qwz_gather_error_is_at_most_half_a_step(bits):
   mesh = zerojax.make_mesh(2, 4)
   qmax = {8: 127, 4: 7}[bits]
   full = data((8 * 4 * BLOCK,))
-  gather = lambda x, bits: comm.all_gather_unit([x], ("node", "gpu"), bits=bits, block=BLOCK)[0]
+  gather = lambda x, bits: comm.all_gather_unit([x], ("node", "gpu"), fmt=formats.integer(bits, BLOCK))[0]
   exact = shmap(functools.partial(gather, bits=None), mesh, P(("node", "gpu")), P())(full)
   got = shmap(functools.partial(gather, bits=bits), mesh, P(("node", "gpu")), P())(full)
   np.testing.assert_array_equal(np.asarray(exact), full)
@@ -64,8 +64,8 @@ def test_qgz_matches_psum_scatter_within_bound(bits, nodes):
   x = data((8, 8 * c), seed=bits)  # device d's local full gradient in row d
   spec = P(("node", "gpu"))
   exact = shmap(lambda g: jax.lax.psum_scatter(g[0], ("node", "gpu"), tiled=True), mesh, spec, spec)(x)
-  got = shmap(lambda g: qgz.qgz_reduce_scatter(g[0], axes=("node", "gpu"), sizes=(nodes, gpus), bits=bits,
-                                               block=BLOCK), mesh, spec, spec)(x)
+  got = shmap(lambda g: qgz.qgz_reduce_scatter(g[0], axes=("node", "gpu"), sizes=(nodes, gpus),
+                                               formats=formats.integer(bits, BLOCK)), mesh, spec, spec)(x)
   np.testing.assert_allclose(np.asarray(exact), x.sum(0), rtol=1e-5, atol=1e-5)
   err = np.abs(np.asarray(got) - np.asarray(exact))
   if nodes > 1:
@@ -81,7 +81,7 @@ def test_qgz_result_is_identical_for_any_number_of_stages():
   x = data((8, 8 * 4 * BLOCK), seed=3)
   spec = P(("node", "gpu"))
   outs = [np.asarray(shmap(lambda g, s=s: qgz.qgz_reduce_scatter(
-      g[0], axes=("node", "gpu"), sizes=(2, 4), bits=4, block=BLOCK, stages=s), mesh, spec, spec)(x))
+      g[0], axes=("node", "gpu"), sizes=(2, 4), formats=formats.integer(4, BLOCK), stages=s), mesh, spec, spec)(x))
       for s in (1, 2, 4)]
   np.testing.assert_array_equal(outs[0], outs[1])
   np.testing.assert_array_equal(outs[0], outs[2])

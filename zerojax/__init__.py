@@ -5,7 +5,7 @@ from zerojax.mesh import initialize_distributed, make_mesh
 from zerojax.models.linen import from_linen, linen_rngs
 from zerojax.models.nnx import from_nnx
 from zerojax.plan import PLANS, Plan, Radius, amsp, dp, mics, radius, zero1, zero2, zero3, zeropp
-from zerojax.prefetch import scan_layers
+from zerojax.scan_layers import scan_layers
 from zerojax.radius_sync import RadiusState
 from zerojax.train_state import TrainState
 from zerojax.unit import ShardedUnit, unit

@@ -25,17 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from zerojax import comm, gpu_aot, mesh as mesh_lib, quantization
+from zerojax import comm, gpu_aot, kernel_choice, mesh as mesh_lib
 from zerojax.layout import LeafLayout, pad_flat, unflatten_leaf
 from zerojax.mesh import axis_sizes, group_size, owner_index
 from zerojax.plan import Plan
+
+ERROR_STATE = "grad_error"  # the train-state field of qgZ's error feedback buffers (`fidelity.ErrorFeedback`)
+SEED = 0x5D4B  # the base key of stochastic rounding (the same in every run: the step makes it vary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +53,14 @@ class ParamGather:
       parameter shard.
     degree: devices along A_p.
     dtype: the parameters' dtype on the wire; `compute_dtype` the one the unit computes in.
-    bits, block: qwZ's quantization of the gather (None: unquantized, always where `axes` is empty);
-      `quantize_backward` whether the backward's re-gather is quantized too (without hpZ).
+    wire_format: the gather's wire format (`comm.formats`: qwZ's int8/int4, or float8 blocks; None:
+      unquantized, always where `axes` is empty); `quantize_backward` whether the backward's re-gather is
+      quantized too (without hpZ).
     hierarchical: gather across nodes first, then inside the node (MiCS §3.3); only where `axes` hold
       both a node axis and a gpu axis.
     secondary: hpZ's secondary axes of size > 1 (None: no hpZ; (): a secondary group of one device, which
       keeps the whole gathered weights and re-gathers nothing); `secondary_degree` the devices along them.
     rotate, backend: Hadamard-rotated blocks; the quantization kernels.
-    float8: the gather moves float8_e4m3fn blocks with a scale per `block` instead (`Gather.weight_format`).
     widen_once: on one device (nothing ever moves) the master is rounded to `dtype` and widened to
       `compute_dtype` once per step in `from_master`, as a plain jitted step casts its weights, instead of
       at each call of each unit, forward and backward. (On larger meshes dp, ZeRO-1 and ZeRO-2 keep the
@@ -67,15 +71,13 @@ class ParamGather:
   degree: int
   dtype: str
   compute_dtype: str
-  bits: int | None
-  block: int
+  wire_format: comm.WireFormat | None
   quantize_backward: bool
   hierarchical: bool
   secondary: tuple[str, ...] | None
   secondary_degree: int
   rotate: bool
   backend: str | None
-  float8: bool = False
   widen_once: bool = False
 
   @property
@@ -102,9 +104,8 @@ class ParamGather:
   def forward(self, shards: list, backward: bool = False) -> list:
     """The unit's full flat leaves `[padded_i]`, gathered over A_p (quantized with qwZ or float8)."""
     quantize = not backward or self.quantize_backward
-    return comm.all_gather_unit(shards, self.axes, bits=self.bits if quantize else None, block=self.block,
-                                backend=self.backend, hierarchical=self.hierarchical, rotate=self.rotate,
-                                float8=self.float8 and quantize)
+    return comm.all_gather_unit(shards, self.axes, fmt=self.wire_format if quantize else None,
+                                backend=self.backend, hierarchical=self.hierarchical, rotate=self.rotate)
 
   def secondary_shards(self, flats: list) -> list:
     """hpZ (ZeRO++ §3.2): this device's slice of each gathered leaf along the secondary axes."""
@@ -136,6 +137,19 @@ class ParamGather:
     return [jnp.zeros(lead + (l.padded // self.degree,), self.shard_dtype) for l in leaves]
 
 
+class QgzState(NamedTuple):
+  """qgZ's per-call state of one unit, defined and read by `GradReduction` only (the unit, its call orders
+  and the model adapters pass it on as `ShardedUnit.state` without looking inside).
+
+  Attributes:
+    error: error feedback's `(e_send, e_node)` buffers (LoCo §3), this device's rows; the unit's backward
+      returns the new ones as their cotangent. None without error feedback.
+    seed: stochastic rounding's uint32 key data (per layer for a scanned unit); None without it.
+  """
+  error: Any = None
+  seed: Any = None
+
+
 @dataclasses.dataclass(frozen=True)
 class GradReduction:
   """A unit's gradient reduction over A_g inside its backward (ZeRO §5.2; qgZ, ZeRO++ §3.3).
@@ -145,18 +159,18 @@ class GradReduction:
       `sizes` along it. None: a group of one device, whose gradient is its chunk (no collective).
     dtype: the dtype gradients are reduced and accumulated in.
     all_to_all: an unquantized gradient goes by the 2-hop all-to-all instead of `psum_scatter`.
-    bits, block, stages: qgZ (None: unquantized, always where `order` is empty); `rotate`, `backend` as
-      for `ParamGather`.
-    error_feedback, stochastic_rounding: qgZ's fidelity options; each needs the unit's per-call state
-      (`ShardedUnit.state`: the error buffers, the rounding seed).
+    hop_formats, stages: qgZ's wire format per hop, (intra-node, inter-node) (`comm.formats`; None:
+      unquantized, always where `order` is empty) and pipeline stages; `rotate`, `backend` as for
+      `ParamGather`.
+    error_feedback, stochastic_rounding: qgZ's fidelity options; each needs the unit's per-call state,
+      a `QgzState` this component builds (`unit_states`) and reads (`__call__`, `state_cotangent`).
     owner: the plan's name, for errors.
   """
   order: tuple[str, ...]
   sizes: tuple[int, ...]
   dtype: str
   all_to_all: bool
-  bits: int | tuple[int, int] | None
-  block: int
+  hop_formats: tuple[comm.WireFormat, comm.WireFormat] | None
   stages: int
   rotate: bool
   backend: str | None
@@ -170,23 +184,50 @@ class GradReduction:
     return jax.tree.map(lambda l: jnp.zeros(l.flat_shape(degree), self.dtype), layout_tree,
                         is_leaf=lambda x: isinstance(x, LeafLayout))
 
-  def __call__(self, grads: Any, leaves: tuple[LeafLayout, ...], state: tuple = (None, None)):
+  def unit_states(self, metas: dict, carried: dict, step, micro, rank) -> dict:
+    """Inside the shard_map: `{unit: QgzState or None}` for `ShardedUnit.state`. The errors are this
+    device's rows of the error feedback state in `carried` (`ERROR_STATE`, the state of the stateful
+    components updated in the backward); stochastic rounding's key is folded from the step, the
+    micro-step, the device's rank, the unit and (for a scanned unit) the layer (SDP4Bit §3): runs are
+    reproducible and no two devices, units or layers share noise."""
+    if not (self.error_feedback or self.stochastic_rounding):
+      return {u: None for u in metas}
+    errors, out = carried.get(ERROR_STATE), {}
+    for j, (u, meta) in enumerate(sorted(metas.items())):
+      seed = None
+      if self.stochastic_rounding:
+        key = jax.random.key(SEED)
+        for x in (step, micro, rank, j):
+          key = jax.random.fold_in(key, x)
+        layers = meta.leaves[0].layers
+        seed = jax.random.key_data(key if layers is None else jax.random.split(key, layers))
+      out[u] = QgzState(None if errors is None else tuple(e[0] for e in errors[u]), seed)
+    return out
+
+  def state_cotangent(self, state: QgzState | None, new) -> QgzState | None:
+    """The cotangent a unit's backward returns for its `state`: the new error feedback buffers (what this
+    call's quantizations dropped), zero (float0) for the rounding key."""
+    if state is None:
+      return None
+    seed = None if state.seed is None else np.zeros(state.seed.shape, jax.dtypes.float0)
+    return QgzState(new, seed)
+
+  def __call__(self, grads: Any, leaves: tuple[LeafLayout, ...], state: QgzState | None = None):
     """`(reduced chunks, new error-feedback buffers or None)` of a unit's gradient tree."""
     flats = [pad_flat(g.astype(self.dtype), l) for g, l in zip(jax.tree.leaves(grads), leaves)]
-    error, seed = state
+    error, seed = state if state is not None else (None, None)
     if (self.error_feedback and error is None) or (self.stochastic_rounding and seed is None):
       raise ValueError(f"plan {self.owner!r}: grad_error_feedback / stochastic_rounding need the unit's qgZ "
-                       "state, which only zerojax's own models pass (not the flax adapters yet); drop them "
-                       "for this model")
+                       "state (ShardedUnit.state), which the executor's step passes to every unit; call the "
+                       "unit through the executor's model (zerojax.unit, from_linen, from_nnx)")
     if not self.order:  # one device: nothing to reduce, nothing quantized, so nothing dropped
       return flats, (None if error is None else jax.tree.map(jnp.zeros_like, error))
     fidelity = {}
-    if self.bits:
+    if self.hop_formats:
       fidelity = {"rotate": self.rotate, "error": error,
                   "key": None if seed is None else jax.random.wrap_key_data(seed)}
-    out = comm.reduce_scatter_unit(flats, self.order, self.sizes, bits=self.bits, block=self.block,
-                                   stages=self.stages, backend=self.backend, all_to_all=self.all_to_all,
-                                   **fidelity)
+    out = comm.reduce_scatter_unit(flats, self.order, self.sizes, formats=self.hop_formats, stages=self.stages,
+                                   backend=self.backend, all_to_all=self.all_to_all, **fidelity)
     return out if error is not None else (out, None)
 
 
@@ -252,22 +293,21 @@ def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's com
   moving = lambda axes: tuple(a for a in axes if sizes[a] > 1)
   node = lambda a: mesh_lib.is_node_axis(a)
   # No kernel_backend named: on GPUs each op's fastest measured kernel (pallas_kernels.kernel_table), else xla.
-  kernels = quantization.FASTEST if gpu_aot.is_gpu(mesh) else None
+  kernels = kernel_choice.FASTEST if gpu_aot.is_gpu(mesh) else None
   p_axes = moving(s.param_axes)
   secondary = moving(g.secondary_axes) if p_axes and g.secondary_axes else None
   gather = ParamGather(
       axes=p_axes, to_param=moving(s.opt_order[len(s.param_axes):]), degree=group_size(mesh, s.param_axes),
-      dtype=g.param_dtype, compute_dtype=g.compute_dtype or g.param_dtype, bits=g.weight_bits if p_axes else None,
-      block=g.weight_block, quantize_backward=g.quantize_backward_gather,
+      dtype=g.param_dtype, compute_dtype=g.compute_dtype or g.param_dtype,
+      wire_format=g.wire_format if p_axes else None, quantize_backward=g.quantize_backward_gather,
       hierarchical=bool(g.hierarchical) and any(map(node, p_axes)) and not all(map(node, p_axes)),
       secondary=secondary, secondary_degree=group_size(mesh, secondary) if secondary else 1,
-      rotate=g.rotate and bool(p_axes), backend=g.kernel_backend or kernels,
-      float8=g.weight_format == "float8_e4m3fn" and bool(p_axes), widen_once=mesh.size == 1)
+      rotate=g.rotate and bool(p_axes), backend=g.kernel_backend or kernels, widen_once=mesh.size == 1)
   g_axes = moving(s.grad_order)
   reduction = GradReduction(
       order=g_axes, sizes=tuple(sizes[a] for a in g_axes), dtype=r.reduce_dtype,
-      all_to_all=r.gradient_all_to_all and bool(g_axes), bits=r.grad_bits if g_axes else None,
-      block=r.grad_block, stages=r.qgz_stages, rotate=r.rotate and bool(g_axes),
+      all_to_all=r.gradient_all_to_all and bool(g_axes), hop_formats=r.hop_formats if g_axes else None,
+      stages=r.qgz_stages, rotate=r.rotate and bool(g_axes),
       backend=r.kernel_backend or kernels, error_feedback=r.grad_error_feedback,
       stochastic_rounding=r.stochastic_rounding, owner=plan.name)
   to_opt, replicas = moving(s.opt_order[len(s.grad_order):]), moving(s.replica_axes(mesh))

@@ -1,4 +1,5 @@
-"""qgZ's per-device state for the fidelity options of a plan: error feedback buffers and rounding seeds.
+"""qgZ's error feedback buffers as train state (the per-call state a unit gets is `components.QgzState`,
+built by `GradReduction.unit_states`).
 
 `Reduction.grad_error_feedback` keeps, per unit and device, what qgZ's two quantizations dropped at the last
 micro-step (LoCo §3): `e_send`, one fp32 copy of the unit's local gradient buffer (all its leaves packed,
@@ -7,9 +8,8 @@ the inter-node hop). In the train state each is a global array `[devices, (layer
 device, sharded over all mesh axes (`ErrorFeedback`, a `zerojax.stateful` component); it is checkpointed
 as held (the same mesh and plan resume bitwise, any other starts the errors from zero).
 
-`Reduction.stochastic_rounding` draws its noise from a key folded from the step, the micro-step, the
-device's rank, the unit and (for scanned units) the layer: runs are reproducible and no two devices,
-units or layers share noise.
+`Reduction.stochastic_rounding` needs no train state: its key is folded from the step, the micro-step,
+the device's rank, the unit and the layer (`GradReduction.unit_states`).
 
 References:
   LoCo: Xie et al. 2024, §3 (error feedback for low-bit gradient communication).
@@ -27,10 +27,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax import mesh as mesh_lib
-from zerojax.components import GradReduction
+from zerojax.components import ERROR_STATE
 from zerojax.stateful import Stateful, Stored, keep
-
-SEED = 0x5D4B  # the base key of stochastic rounding (the same in every run: the step makes it vary)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -43,7 +41,7 @@ class ErrorFeedback(Stateful):
     mesh: the executor's mesh.
     shapes: `{unit: (e_send, e_node)}` global `ShapeDtypeStruct`s.
   """
-  name = "grad_error"
+  name = ERROR_STATE
   setting = "grad_error_feedback=True"
   in_backward = True
 
@@ -94,20 +92,3 @@ class ErrorFeedback(Stateful):
                    from_logical=lambda v, x=x: v if tuple(v.shape) == tuple(x.shape) else jnp.zeros(x.shape, x.dtype),
                    accepts=lambda saved: True, read_sharding=lambda saved: NamedSharding(self.mesh, P()))
             for x in jax.tree.leaves(self.shapes)]
-
-
-def unit_states(reduction: GradReduction, metas: dict, carried: dict, step, micro, rank) -> dict:
-  """Inside the shard_map: `{unit: (error, seed)}` for `ShardedUnit.state`; the errors are the local rows
-  of `ErrorFeedback`'s state in `carried` (the state of the components updated in the backward)."""
-  errors, out = carried.get(ErrorFeedback.name), {}
-  for j, (u, meta) in enumerate(sorted(metas.items())):
-    seed = None
-    if reduction.stochastic_rounding:
-      key = jax.random.key(SEED)
-      for x in (step, micro, rank, j):
-        key = jax.random.fold_in(key, x)
-      layers = meta.leaves[0].layers
-      seed = jax.random.key_data(key if layers is None else jax.random.split(key, layers))
-    out[u] = (None if errors is None else tuple(e[0] for e in errors[u]), seed)
-  return out
-

@@ -121,8 +121,8 @@ class Plan:
       if not g.secondary_axes or not all(within(a) for a in g.secondary_axes):
         raise ValueError(f"plan {self.name!r}: hpZ secondary_axes={g.secondary_axes} must be a non-empty "
                          f"subset of param_axes={s.param_axes}, e.g. ('gpu',)")
-    if self.reduction.grad_bits and not s.grad_axes:
-      raise ValueError(f"plan {self.name!r}: qgZ (grad_bits) quantizes the gradient reduce-scatter, but "
+    if self.reduction.quantized and not s.grad_axes:
+      raise ValueError(f"plan {self.name!r}: qgZ (grad_bits, grad_format) quantizes the gradient reduce-scatter, but "
                        "grad_axes is empty; shard the gradients (zero2/zero3/mics) or drop grad_bits")
 
   @property

@@ -20,7 +20,8 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zerojax import quantization, remat
+from zerojax import kernel_choice, remat
+from zerojax.comm import formats
 from zerojax.mesh import AXES
 
 Axes = tuple[str, ...] | int  # mesh axes by name, or a group of that many consecutive devices
@@ -98,8 +99,8 @@ def _block(value: int, field: str) -> None:
 
 
 def _backend(value: str | None) -> None:
-  if value is not None and value not in quantization.BACKENDS:
-    raise ValueError(f"kernel_backend={value!r}; use one of {quantization.BACKENDS} or None (the default backend)")
+  if value is not None and value not in kernel_choice.BACKENDS:
+    raise ValueError(f"kernel_backend={value!r}; use one of {kernel_choice.BACKENDS} or None (the default backend)")
 
 
 def _rotatable(block: int, field: str) -> None:
@@ -191,9 +192,9 @@ class Gather:
     rotate: quantize every qwZ block times a Hadamard matrix, undone after dequantization (SDP4Bit
       §3.2): outliers are spread over the block. Needs `weight_bits` and a power-of-two block.
     kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
-    weight_format: "float8_e4m3fn": the forward gather moves the weights as 8-bit floats with one fp32
-      scale per `weight_block` (max |w| / 448), the float counterpart of qwZ's int8 (FP8-LM, Peng et
-      al. 2023, §2.1); None: off. Not with `weight_bits`.
+    weight_format: a wire format by name (`comm.formats.FORMATS`), e.g. "float8_e4m3fn": the forward
+      gather moves the weights as 8-bit floats with one fp32 scale per `weight_block` (max |w| / 448), the
+      float counterpart of qwZ's int8 (FP8-LM, Peng et al. 2023, §2.1); None: off. Not with `weight_bits`.
   """
   param_dtype: str = "bfloat16"
   compute_dtype: str | None = None
@@ -207,7 +208,7 @@ class Gather:
   weight_format: str | None = None
 
   def __post_init__(self):
-    _one_of(self.weight_format, "weight_format", (None, "float8_e4m3fn"))
+    _one_of(self.weight_format, "weight_format", (None, *formats.FORMATS))
     if self.weight_format and self.weight_bits:
       raise ValueError(f"weight_format={self.weight_format!r} and weight_bits={self.weight_bits} both quantize "
                        "the gather; set one of them")
@@ -216,22 +217,29 @@ class Gather:
     _one_of(self.weight_bits, "weight_bits", (None, 4, 8))
     _block(self.weight_block, "weight_block")
     if self.rotate:
-      if not self.weight_bits:
-        raise ValueError("rotate=True rotates qwZ's blocks, but weight_bits is None; set it or drop rotate")
+      if not isinstance(self.wire_format, formats.BlockInt):
+        raise ValueError("rotate=True rotates qwZ's integer blocks, but weight_bits is None; set it or drop rotate")
       _rotatable(self.weight_block, "weight_block")
     for f in ("param_dtype", "compute_dtype"):
       _dtype(getattr(self, f), f)
     _backend(self.kernel_backend)
 
   @property
+  def wire_format(self) -> formats.WireFormat | None:
+    """The forward gather's wire format: `weight_format`'s, else qwZ's integer one; None: `param_dtype`."""
+    if self.weight_format:
+      return formats.of(self.weight_format, self.weight_block)
+    return formats.integer(self.weight_bits, self.weight_block)
+
+  @property
   def quantized(self) -> bool:
     """Whether the forward gather moves quantized blocks (qwZ, or the float8 gather)."""
-    return bool(self.weight_bits or self.weight_format)
+    return self.wire_format is not None
 
   @property
   def alignment(self) -> int:
     """Elements a device's shard is a multiple of: qwZ's blocks never cross an owner chunk."""
-    return (self.weight_block or 2) if self.quantized else 2
+    return self.wire_format.alignment if self.quantized else 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +259,9 @@ class Reduction:
       this many bits (4 or 8): inside the node, then across nodes. A pair `(intra, inter)` sets each
       hop's bits, e.g. `(8, 4)`: int8 inside the node, int4 across nodes (SDP4Bit §3.2). A group with
       one hop uses the bits of that hop.
+    grad_format: qgZ's hops in a wire format by name (`comm.formats.FORMATS`) instead of `grad_bits`'
+      integers, e.g. "float8_e4m3fn": 8-bit float gradients with one fp32 scale per block (FP8-LM §2.1),
+      rounded to nearest (no `rotate`, no `stochastic_rounding`). Not with `grad_bits`.
     grad_block: elements per qgZ quantization block; 0 = one scale per slab (non-blocked).
     qgz_stages: qgZ pipeline stages (ZeRO++ §4.1.2, Algorithm 2); results do not depend on it.
     rotate: Hadamard-rotate every qgZ block before quantizing (SDP4Bit §3.2); needs `grad_bits` and a
@@ -267,6 +278,7 @@ class Reduction:
   reduce_dtype: str = "float32"
   reduce_via: str = "auto"
   grad_bits: int | tuple[int, int] | None = None
+  grad_format: str | None = None
   grad_block: int = 256
   qgz_stages: int = 1
   rotate: bool = False
@@ -283,21 +295,29 @@ class Reduction:
                          "them, e.g. (8, 4)")
     else:
       _one_of(self.grad_bits, "grad_bits", (None, 4, 8))
+    _one_of(self.grad_format, "grad_format", (None, *formats.FORMATS))
+    if self.grad_format and self.grad_bits:
+      raise ValueError(f"grad_format={self.grad_format!r} and grad_bits={self.grad_bits} both quantize qgZ's "
+                       "hops; set one of them")
+    if self.grad_format and (self.rotate or self.stochastic_rounding) and \
+        not isinstance(self.hop_formats[0], formats.BlockInt):
+      raise ValueError(f"grad_format={self.grad_format!r} rounds to nearest without rotation; drop rotate and "
+                       "stochastic_rounding, or use grad_bits")
     for f in ("grad_error_feedback", "stochastic_rounding"):
-      if getattr(self, f) and not self.grad_bits:
+      if getattr(self, f) and not self.quantized:
         raise ValueError(f"{f}=True acts on qgZ's quantization, but grad_bits is None; set grad_bits "
                          "(e.g. 4) or drop it")
     _block(self.grad_block, "grad_block")
     if self.qgz_stages < 1:
       raise ValueError(f"qgz_stages={self.qgz_stages} must be at least 1")
     if self.rotate:
-      if not self.grad_bits:
+      if not self.quantized:
         raise ValueError("rotate=True rotates qgZ's blocks, but grad_bits is None; set it or drop rotate")
       _rotatable(self.grad_block, "grad_block")
     _one_of(self.reduce_via, "reduce_via", REDUCE_VIA)
-    if self.grad_bits and self.reduce_via != "auto":
-      raise ValueError(f"reduce_via={self.reduce_via!r} with qgZ (grad_bits={self.grad_bits}), which is its "
-                       "own 2-hop all-to-all; leave reduce_via='auto'")
+    if self.quantized and self.reduce_via != "auto":
+      raise ValueError(f"reduce_via={self.reduce_via!r} with qgZ (grad_bits={self.grad_bits}, grad_format="
+                       f"{self.grad_format}), which is its own 2-hop all-to-all; leave reduce_via='auto'")
     _dtype(self.reduce_dtype, "reduce_dtype")
     _backend(self.kernel_backend)
     if self.stochastic_rounding and self.kernel_backend == "triton":
@@ -305,11 +325,24 @@ class Reduction:
                        "'xla'")
 
   @property
-  def hop_bits(self) -> tuple[int, int] | None:
-    """qgZ's bits per hop, (intra-node, inter-node); None without qgZ."""
+  def hop_formats(self) -> tuple[formats.WireFormat, formats.WireFormat] | None:
+    """qgZ's wire format per hop, (intra-node, inter-node); None without qgZ."""
+    if self.grad_format:
+      return (formats.of(self.grad_format, self.grad_block),) * 2
     if self.grad_bits is None:
       return None
-    return tuple(self.grad_bits) if isinstance(self.grad_bits, tuple) else (self.grad_bits,) * 2
+    bits = self.grad_bits if isinstance(self.grad_bits, tuple) else (self.grad_bits,) * 2
+    return tuple(formats.integer(b, self.grad_block) for b in bits)
+
+  @property
+  def quantized(self) -> bool:
+    """Whether qgZ quantizes the gradient reduction (`grad_bits` or `grad_format`)."""
+    return bool(self.grad_bits or self.grad_format)
+
+  @property
+  def hop_bits(self) -> tuple[int, int] | None:
+    """qgZ's bits per hop, (intra-node, inter-node); None without qgZ."""
+    return None if self.hop_formats is None else tuple(f.bits for f in self.hop_formats)
 
   @property
   def gradient_all_to_all(self) -> bool:
@@ -322,7 +355,7 @@ class Reduction:
   @property
   def alignment(self) -> int:
     """Elements a device's shard is a multiple of: qgZ's blocks never cross a pipeline stage."""
-    return (self.grad_block or 2) * self.qgz_stages if self.grad_bits else 2
+    return self.hop_formats[0].alignment * self.qgz_stages if self.quantized else 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,8 @@
 """Prefetch inside the layer scan: the next layer's gather and the previous layer's gradient reduction
 run beside the current layer's compute (`Schedule.prefetch`).
 
-`scan_layers(f, params, x)` runs `x = f(params[i], x)` over the layers of a scanned unit. With plain
-params it is `lax.scan`; with a `ShardedUnit` and `prefetch=False` each layer is a `zerojax.unit` call
-(it gathers when it runs). With `prefetch=True` the whole stack is one call of the unit's engine
-(`zerojax.unit.sharded_call`) under the call order `PREFETCH`, which orders the same components
+`zerojax.scan_layers` runs a scanned unit's whole stack, with `prefetch=True`, as one call of the unit's
+engine (`zerojax.unit.sharded_call`) under the call order `PREFETCH` defined here, which orders the same components
 (`ParamGather.forward`, `call_forward`, `ParamGather.backward`, `call_backward`, `reduce_and_sync`) across layers:
 
 - forward: layer 0 is gathered before the loop; iteration i gathers layer i+1 into the loop carry while
@@ -14,7 +12,7 @@ params it is `lax.scan`; with a `ShardedUnit` and `prefetch=False` each layer is
   its activations), never the gathered weights.
 - backward: layer L-1 is gathered before the loop; iteration i gathers layer i-1 ahead (hpZ: inside the
   node), reduces layer i+1's gradient (carried unreduced from the previous iteration; qgZ: both hops,
-  the cross-node one included, with that layer's error-feedback buffers and rounding seed) and runs
+  the cross-node one included, with that layer's slice of the reduction's state) and runs
   layer i's VJP. The last two reductions follow the loop. The MiCS in-backward replica all-reduce rides
   with each reduction; it needs the reduction's result, so under remat "full" layer i's cotangent waits
   for layer i+1's reduced gradient (an optimization barrier): the reduction runs beside layer i's
@@ -29,41 +27,12 @@ References:
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerojax.unit import (CallOrder, ShardedUnit, UnitMeta, call_backward, call_forward, check_collectives,
-                          ordered_after, reduce_and_sync, shard_cotangents, sharded_call, sync_replicas, unit)
-
-
-def scan_layers(f: Callable, params: Any, x: Any) -> Any:
-  """`x` through every layer of a scanned unit: `x = f(params[i], x)` for i = 0 .. L-1.
-
-  Args:
-    f: `f(layer_params, x) -> x`, a pure function; `x` is a pytree of float arrays.
-    params: the scanned unit's params (leaves `[L, ...]`), or its `ShardedUnit` inside the executor.
-    x: the input of layer 0.
-
-  Returns:
-    The output of layer L-1. Inside the executor with `Schedule.prefetch` the layers are prefetched (see
-    the module docstring); otherwise each layer is a `zerojax.unit(f)` call.
-  """
-  if not isinstance(params, ShardedUnit):
-    return lax.scan(lambda c, p: (f(p, c), None), x, params)[0]
-  meta = params.meta
-  if not meta.prefetch:
-    layer = unit(f)
-    return lax.scan(lambda c, p: (layer(p, c), None), x, params)[0]
-  if not meta.scanned:
-    raise ValueError(f"scan_layers got an unscanned unit (leaves without a layer axis) for "
-                     f"{getattr(f, '__qualname__', f)}; call it as zerojax.unit(f)(params, x)")
-  meta.calls.append(f)
-  check_collectives(f, meta, [x])
-  return sharded_call(PREFETCH, f, meta, params.shards, params.sinks, params.state, x)
+from zerojax.unit import (CallOrder, UnitMeta, call_backward, call_forward, ordered_after, reduce_and_sync,
+                          shard_cotangents, sync_replicas)
 
 
 def _at(tree, i):
@@ -95,7 +64,7 @@ def _forward(f, meta: UnitMeta, shards: list, args: tuple, differentiated: bool)
 
 def _reduce_beside(meta: UnitMeta, dp, window, state, g):
   """Layer i+1's gradient reduction (and replica sync), to run beside layer i's VJP, whose cotangent is
-  `g`: `((chunks, new errors), g)`.
+  `g`: `((chunks, the reduction's new state), g)`.
 
   With the in-backward sync (`window`) the all-reduce over the replicas needs the reduction's result:
   left alone, XLA:GPU schedules the reduction beside all of layer i's compute and the all-reduce after
@@ -107,17 +76,17 @@ def _reduce_beside(meta: UnitMeta, dp, window, state, g):
   follows the reduction as before. (Issuing the all-reduce an iteration later instead peels one more
   layer out of the loop: a 4-layer stack keeps a loop of one trip, which XLA inlines, and its combiners
   then merge every layer's collectives into one each, overlapping nothing.)"""
-  chunks, error = reduce_and_sync(meta, dp, None, state)
+  chunks, new = reduce_and_sync(meta, dp, None, state)
   if window is not None and meta.remat == "full":
     g, chunks = lax.optimization_barrier((g, chunks))
-  return (sync_replicas(meta, chunks, window), error), g
+  return (sync_replicas(meta, chunks, window), new), g
 
 
 def _backward(f, meta: UnitMeta, residual, window, state, g):
   """The backward over the layers, each layer's gradient reduced while the next layer's VJP runs."""
   kept, saved, last = residual
   n = kept[0].shape[0]
-  layer = lambda dp, i: reduce_and_sync(meta, dp, _at(window, i), _at(state, i))  # (chunks, new errors)
+  layer = lambda dp, i: reduce_and_sync(meta, dp, _at(window, i), _at(state, i))  # (chunks, new state)
   # The first gathers wait for the cotangent: not merged with the forward's, nor hoisted.
   w = meta.gather.backward(ordered_after(_at(kept, n - 1), g))
   if n > 1:
@@ -140,8 +109,8 @@ def _backward(f, meta: UnitMeta, residual, window, state, g):
     one, g = _reduce_beside(meta, dp1, _at(window, 1), _at(state, 1), g)
     dp0, (g,) = call_backward(f, meta, w, _at(saved, 0), g)
     reduced = jax.tree.map(lambda a, b, c: jnp.concatenate([a[None], b[None], c]), layer(dp0, 0), one, top)
-  dsinks, error = reduced
-  return shard_cotangents(meta, n), dsinks, error, [g]
+  dsinks, new = reduced
+  return shard_cotangents(meta, n), dsinks, new, [g]
 
 
 PREFETCH = CallOrder(_forward, _backward)

@@ -44,32 +44,14 @@ References:
 from __future__ import annotations
 
 import math
-import os
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from pallas_kernels import block_format, hadamard
-from pallas_kernels import kernel_table
+from pallas_kernels import hadamard, xla_rows
 from pallas_kernels.block_format import qmax_of, trim_scale  # noqa: F401  (the format's public names)
-
-Backend = Literal["xla", "pallas", "triton", "mosaic"]
-BACKENDS: tuple[str, ...] = ("xla", "pallas", "triton")  # a plan's kernel_backend: every op
-MOSAIC = "mosaic"  # Mosaic GPU (`pallas_kernels.mosaic_block_quant`): int8 quantize and dequantize only
-ENV_VAR = "ZEROJAX_KERNEL_BACKEND"
-FASTEST = "fastest"  # per op, the fastest backend of the measured GPU table (`gpu_default`)
-
-
-def default_backend() -> str:
-  """The backend named for the process: $ZEROJAX_KERNEL_BACKEND, else "xla" on a CPU and `FASTEST` where
-  jax's default backend is a GPU."""
-  name = os.environ.get(ENV_VAR, "").strip().lower() or (FASTEST if jax.default_backend() == "gpu" else "xla")
-  if name not in (*BACKENDS, FASTEST):
-    raise ValueError(f"{ENV_VAR}={name!r}; expected one of {BACKENDS}")
-  return name
-
+from zerojax import kernel_choice
+from zerojax.kernel_choice import MOSAIC, Backend
 
 def packed_len(elements: int, bits: int) -> int:
   """Length of the stored value axis for `elements` codes."""
@@ -86,121 +68,6 @@ def _check(bits: int, block: int, rotate: bool = False, name: str = "xla", noise
     raise ValueError(f"block={block!r}; expected a positive int")
   if bits == 4 and block % 2:
     raise ValueError(f"block={block} must be even for int4 (two codes per byte)")
-
-
-def resolve_backend(backend: str | None, op: str = "", bits: int = 8, rotate: bool = False, noisy: bool = False) -> str:
-  name = default_backend() if backend is None else backend
-  if name == MOSAIC:
-    if op not in ("quantize", "dequantize") or bits != 8 or rotate or noisy:
-      raise ValueError(f"backend='mosaic' has int8 quantize and dequantize only (not {op}, bits={bits}"
-                       f"{', rotate' if rotate else ''}{', noise' if noisy else ''}); use 'pallas' or 'xla'")
-    return name
-  if name not in BACKENDS:
-    raise ValueError(f"backend={name!r}; expected one of {BACKENDS}")
-  if name == "triton":
-    from pallas_kernels import triton_block_quant
-    triton_block_quant.require_jax_triton()
-  return name
-
-
-def _lowers(name: str, block: int, noisy: bool) -> bool:
-  """Whether backend `name` can be compiled for a GPU with these settings on this host."""
-  if name == "xla":
-    return True
-  if block & (block - 1):
-    return False  # the compiled kernels need a power-of-two block
-  if name == "pallas":
-    return True
-  if noisy:
-    return False  # no stochastic rounding in the triton kernels
-  import importlib.util
-  if importlib.util.find_spec("jax_triton") is None or importlib.util.find_spec("triton") is None:
-    return False
-  from pallas_kernels import triton_block_quant
-  return triton_block_quant.compute_capability() is not None
-
-
-def gpu_default(op: str, bits: int, block: int, rotate: bool = False, noisy: bool = False) -> str:
-  """The backend `op` runs where it is lowered for a GPU with `backend=None`: the fastest of the measured
-  table (`pallas_kernels.kernel_table`) that can be compiled with these settings."""
-  return next(b for b in kernel_table.ranking(op, bits, rotate) if _lowers(b, block, noisy))
-
-
-def _run(op: str, impl, arrays: tuple, *, bits: int, block: int, rotate: bool = False, noisy: bool = False,
-         backend: str | None = None):
-  """`impl(arrays, name)` with the backend asked for (`FASTEST`: `gpu_default`'s choice for this op)."""
-  name = default_backend() if backend is None else backend
-  if name == FASTEST:
-    return impl(arrays, gpu_default(op, bits, block, rotate, noisy))
-  return impl(arrays, resolve_backend(name, op, bits, rotate, noisy))
-
-
-def _kernels(name: str):
-  if name == MOSAIC:
-    from pallas_kernels import mosaic_block_quant
-    return mosaic_block_quant
-  if name == "pallas":
-    from pallas_kernels import block_quant
-    return block_quant
-  from pallas_kernels import triton_block_quant
-  return triton_block_quant
-
-
-# --- the reference ("xla") arithmetic, on [rows, block] tiles ------------------------------------
-
-def _quantize_rows(x_MxB: jax.Array, bits: int, rotate: bool = False,
-                   noise: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """[M, B] floats -> (codes int32 [M, B], scales fp32 [M]); rows rotated first with `rotate`,
-  rounded stochastically (`floor(x / scale + u)`) with `noise` u [M, B] in (0, 1)."""
-  x = x_MxB.astype(jnp.float32)
-  if rotate:
-    x = hadamard.fwht_rows(x, hadamard.scales(x.shape[1])[0])
-  # NaN -> inf so that the block's absmax (and scale) is inf whatever max does with NaN.
-  amax_M = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=1)
-  scale_M = block_format.scale_of(amax_M, bits)
-  s = scale_M[:, None]
-  if noise is None:
-    q = block_format.nearest_codes(x, s, bits, estimate=jnp.round(jnp.abs(x) / s))
-  else:
-    q = block_format.stochastic_codes(jnp.floor(x / s + noise), s, bits)
-  return q.astype(jnp.int32), scale_M
-
-
-def _pack(codes: jax.Array, bits: int) -> jax.Array:
-  """int32 codes [..., L] -> stored values [..., L] int8 or [..., L/2] uint8 (even element low)."""
-  if bits == 8:
-    return codes.astype(jnp.int8)
-  pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2) & 0xF
-  return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint8)
-
-
-def _unpack(values: jax.Array, bits: int) -> jax.Array:
-  """Stored values [..., Lp] -> int32 codes [..., L]."""
-  if bits == 8:
-    return values.astype(jnp.int32)
-  # Each byte repeated twice, then element e keeps nibble e % 2, sign-extended by shifting it to the
-  # top of the int32 and back (an elementwise form XLA fuses well; no interleaving concatenate).
-  b = values.astype(jnp.int32)
-  b = jnp.broadcast_to(b[..., None], (*b.shape, 2)).reshape(*b.shape[:-1], 2 * b.shape[-1])
-  shift = 28 - 4 * (lax.broadcasted_iota(jnp.int32, b.shape, b.ndim - 1) & 1)
-  return (b << shift) >> 28
-
-
-def _dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int) -> jax.Array:
-  """[M, Bp] stored values, [M] scales -> fp32 [M, B]."""
-  return _unpack(v_MxBp, bits).astype(jnp.float32) * s_M.astype(jnp.float32)[:, None]
-
-
-def _unrotate(y_MxB: jax.Array, rotate: bool) -> jax.Array:
-  return hadamard.fwht_rows(y_MxB, hadamard.scales(y_MxB.shape[1])[1]) if rotate else y_MxB
-
-
-def _sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int) -> jax.Array:
-  """Dequantizes K slabs and sums them in fp32, slab 0 first (a fixed order every backend uses)."""
-  acc = _dequantize_rows(v_KxMxBp[0], s_KxM[0], bits)
-  for k in range(1, v_KxMxBp.shape[0]):
-    acc = acc + _dequantize_rows(v_KxMxBp[k], s_KxM[k], bits)
-  return acc
 
 
 def _opt(**kw) -> dict:
@@ -253,7 +120,7 @@ def quantize(x: jax.Array, bits: int, block: int, *, rotate: bool = False, noise
     ZeRO++ §3.1 (block-based quantization), §4.2 (quantization kernels). SDP4Bit §3.2 (rotation).
   """
   _check(bits, block, rotate, backend or "xla", noise)
-  return _run("quantize", lambda a, name: _quantize(*a, bits, block, rotate, name), (x, noise), bits=bits,
+  return kernel_choice.run("quantize", lambda a, name: _quantize(*a, bits, block, rotate, name), (x, noise), bits=bits,
               block=block, rotate=rotate, noisy=noise is not None, backend=backend)
 
 
@@ -268,13 +135,13 @@ def _quantize(x, noise, bits, block, rotate, name):
     u = jnp.ravel(noise).astype(jnp.float32)
     u_MxB = jnp.pad(u, (0, n_pad - u.shape[0]), constant_values=0.5).reshape(x_MxB.shape)
   if name == "xla":
-    codes, s_M = _quantize_rows(x_MxB, bits, rotate, u_MxB)
-    v_MxBp = _pack(codes, bits)
+    codes, s_M = xla_rows.quantize_rows(x_MxB, bits, rotate, u_MxB)
+    v_MxBp = xla_rows.pack(codes, bits)
   elif name in ("triton", MOSAIC):
     x_MxB = hadamard.fwht_rows(x_MxB.astype(jnp.float32), hadamard.scales(block)[0]) if rotate else x_MxB
-    v_MxBp, s_M = _kernels(name).quantize_rows(x_MxB, bits)
+    v_MxBp, s_M = kernel_choice.kernels(name).quantize_rows(x_MxB, bits)
   else:
-    v_MxBp, s_M = _kernels(name).quantize_rows(x_MxB, bits, rotate=rotate, noise=u_MxB)
+    v_MxBp, s_M = kernel_choice.kernels(name).quantize_rows(x_MxB, bits, rotate=rotate, noise=u_MxB)
   return v_MxBp.reshape(-1), s_M
 
 
@@ -290,7 +157,7 @@ def dequantize(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
     ZeRO++ §3.1, §4.2 (dequantization kernels).
   """
   _check(bits, block, rotate)
-  return _run("dequantize", lambda a, name: _dequantize(*a, bits, block, dtype, size, rotate, name),
+  return kernel_choice.run("dequantize", lambda a, name: _dequantize(*a, bits, block, dtype, size, rotate, name),
               (values, scales), bits=bits, block=block, rotate=rotate, backend=backend)
 
 
@@ -301,11 +168,12 @@ def _dequantize(values, scales, bits, block, dtype, size, rotate, name):
   if s_M.shape[0] != v_MxBp.shape[0]:
     raise ValueError(f"{s_M.shape[0]} scales for {v_MxBp.shape[0]} blocks of {block}")
   if name == "xla":
-    out = _unrotate(_dequantize_rows(v_MxBp, s_M, bits), rotate).astype(dtype)
+    out = xla_rows.unrotate(xla_rows.dequantize_rows(v_MxBp, s_M, bits), rotate).astype(dtype)
   elif name == "triton" and rotate:
-    out = _unrotate(_kernels(name).dequantize_rows(v_MxBp, s_M, bits, jnp.float32), True).astype(dtype)
+    out = xla_rows.unrotate(
+        kernel_choice.kernels(name).dequantize_rows(v_MxBp, s_M, bits, jnp.float32), True).astype(dtype)
   else:
-    out = _kernels(name).dequantize_rows(v_MxBp, s_M, bits, dtype, **_opt(rotate=rotate))
+    out = kernel_choice.kernels(name).dequantize_rows(v_MxBp, s_M, bits, dtype, **_opt(rotate=rotate))
   out = out.reshape(-1)
   return out if size is None else out[:size]
 
@@ -332,7 +200,7 @@ def reorder_quantize(x: jax.Array, nodes: int, gpus: int, bits: int, block: int,
     §4.2 (reordering fused into the quantization kernel).
   """
   _check(bits, block, rotate, backend or "xla", noise)
-  return _run("reorder_quantize",
+  return kernel_choice.run("reorder_quantize",
               lambda a, name: _reorder_quantize(*a, nodes, gpus, bits, block, stages, rotate, name), (x, noise),
               bits=bits, block=block, rotate=rotate, noisy=noise is not None, backend=backend)
 
@@ -352,16 +220,16 @@ def _reorder_quantize(x, noise, nodes, gpus, bits, block, stages, rotate, name):
   u_NxGxSxC = None if noise is None else jnp.reshape(noise.astype(jnp.float32), x_NxGxSxC.shape)
   if name == "xla":
     to_rows = lambda a: jnp.transpose(a, (2, 1, 0, 3)).reshape(-1, block)
-    codes, s_M = _quantize_rows(to_rows(x_NxGxSxC), bits, rotate,
+    codes, s_M = xla_rows.quantize_rows(to_rows(x_NxGxSxC), bits, rotate,
                                 None if noise is None else to_rows(u_NxGxSxC))
-    v = _pack(codes, bits).reshape(stages, gpus, nodes, packed_len(cs, bits))
+    v = xla_rows.pack(codes, bits).reshape(stages, gpus, nodes, packed_len(cs, bits))
     return v, s_M.reshape(stages, gpus, nodes, cs // block)
   if name == "triton":
     if rotate:
       x_NxGxSxC = hadamard.fwht_rows(x_NxGxSxC.astype(jnp.float32).reshape(-1, block),
                                      hadamard.scales(block)[0]).reshape(x_NxGxSxC.shape)
-    return _kernels(name).reorder_quantize(x_NxGxSxC, bits, block)
-  return _kernels(name).reorder_quantize(x_NxGxSxC, bits, block, rotate=rotate, noise=u_NxGxSxC)
+    return kernel_choice.kernels(name).reorder_quantize(x_NxGxSxC, bits, block)
+  return kernel_choice.kernels(name).reorder_quantize(x_NxGxSxC, bits, block, rotate=rotate, noise=u_NxGxSxC)
 
 
 def _slabs(values: jax.Array, scales: jax.Array, bits: int, block: int):
@@ -402,7 +270,8 @@ def dequant_sum_quantize(values: jax.Array, scales: jax.Array, bits: int, block:
   out_bits = bits if out_bits is None else out_bits
   _check(bits, block)
   _check(out_bits, block, name=backend or "xla", noise=noise)
-  return _run("dequant_sum_quantize", lambda a, name: _dequant_sum_quantize(*a, bits, block, out_bits, name),
+  return kernel_choice.run("dequant_sum_quantize",
+                           lambda a, name: _dequant_sum_quantize(*a, bits, block, out_bits, name),
               (values, scales, noise), bits=out_bits, block=block, noisy=noise is not None, backend=backend)
 
 
@@ -410,10 +279,10 @@ def _dequant_sum_quantize(values, scales, noise, bits, block, out_bits, name):
   v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
   rows = lambda a: None if a is None else jnp.reshape(a.astype(jnp.float32), (-1, block))
   if name == "xla":
-    codes, s_M = _quantize_rows(_sum_rows(v_KxMxBp, s_KxM, bits), out_bits, noise=rows(noise))
-    v_M = _pack(codes, out_bits)
+    codes, s_M = xla_rows.quantize_rows(xla_rows.sum_rows(v_KxMxBp, s_KxM, bits), out_bits, noise=rows(noise))
+    v_M = xla_rows.pack(codes, out_bits)
   else:
-    v_M, s_M = _kernels(name).dequant_sum_quantize_rows(v_KxMxBp, s_KxM, bits, out_bits,
+    v_M, s_M = kernel_choice.kernels(name).dequant_sum_quantize_rows(v_KxMxBp, s_KxM, bits, out_bits,
                                                         **_opt(noise=rows(noise)))
   lead = values.shape[1:-1]
   elements = values.shape[-1] // packed_len(block, bits) * block
@@ -431,17 +300,18 @@ def dequant_sum(values: jax.Array, scales: jax.Array, bits: int, block: int, *,
     ZeRO++ §3.3.2, §4.2.
   """
   _check(bits, block, rotate)
-  return _run("dequant_sum", lambda a, name: _dequant_sum(*a, bits, block, dtype, rotate, name),
+  return kernel_choice.run("dequant_sum", lambda a, name: _dequant_sum(*a, bits, block, dtype, rotate, name),
               (values, scales), bits=bits, block=block, rotate=rotate, backend=backend)
 
 
 def _dequant_sum(values, scales, bits, block, dtype, rotate, name):
   v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
   if name == "xla":
-    out = _unrotate(_sum_rows(v_KxMxBp, s_KxM, bits), rotate).astype(dtype)
+    out = xla_rows.unrotate(xla_rows.sum_rows(v_KxMxBp, s_KxM, bits), rotate).astype(dtype)
   elif name == "triton" and rotate:
-    out = _unrotate(_kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, jnp.float32), True).astype(dtype)
+    out = xla_rows.unrotate(
+        kernel_choice.kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, jnp.float32), True).astype(dtype)
   else:
-    out = _kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, dtype, **_opt(rotate=rotate))
+    out = kernel_choice.kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, dtype, **_opt(rotate=rotate))
   elements = values.shape[-1] // packed_len(block, bits) * block
   return out.reshape(*values.shape[1:-1], elements)

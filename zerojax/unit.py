@@ -80,15 +80,15 @@ class ShardedUnit:
     shards: list of local parameter shards `[padded / |A_p|]` (param dtype), one per leaf.
     sinks: list of zero gradient sinks `[padded / |A_g|]` (reduce dtype), one per leaf.
     meta: static `UnitMeta`.
-    state: the gradient reduction's per-call state, `(error, seed)`: error feedback's `(e_send, e_node)`
-      buffers (the backward returns the new ones as their cotangent) and the uint32 key data of
-      stochastic rounding; either None when the plan does not use it.
+    state: the gradient reduction's per-call state, opaque here: what `GradReduction.unit_states` builds
+      (error feedback's buffers, stochastic rounding's key) and reads; the backward returns
+      `GradReduction.state_cotangent` as its cotangent. None when the plan keeps none.
   For a scanned unit every array has a leading layer axis; `lax.scan` over a `ShardedUnit` slices it.
   """
   shards: list
   sinks: list
   meta: UnitMeta
-  state: tuple = (None, None)
+  state: Any = None
 
   def tree_flatten(self):
     return (self.shards, self.sinks, self.state), self.meta
@@ -103,13 +103,13 @@ def params_tree(meta: UnitMeta, flats: list) -> Any:
   return meta.gather.params(meta.treedef, meta.leaves, flats)
 
 
-def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, state: tuple = (None, None)):
-  """`(reduced chunks, new error-feedback state or None)`: the gradient reduced over A_g; with `window`
+def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, state: Any = None):
+  """`(reduced chunks, what the reduction returns for its state)`: the gradient reduced over A_g; with `window`
   (the accumulated sinks of the window's last micro-step) also all-reduced over the replica axes, the
   sync of MiCS §3.4 overlapped with the rest of the backward (`sync_replicas`). `PREFETCH` calls the
   two halves apart (window None, then `sync_replicas`), to let layer i's backward wait between them."""
-  dsinks, error = meta.reduction(dparams, meta.leaves, state)
-  return sync_replicas(meta, dsinks, window), error
+  dsinks, new = meta.reduction(dparams, meta.leaves, state)
+  return sync_replicas(meta, dsinks, window), new
 
 
 def sync_replicas(meta: UnitMeta, dsinks: list, window: list | None) -> list:
@@ -167,7 +167,7 @@ class CallOrder(NamedTuple):
   `call_backward`, `reduce_and_sync`).
 
   forward(f, meta, shards, args, differentiated) -> (out, residual)
-  backward(f, meta, residual, window, state, g) -> (shard cotangents, reduced chunks, new errors, dargs)
+  backward(f, meta, residual, window, state, g) -> (shard cotangents, reduced chunks, new state, dargs)
   """
   forward: Callable
   backward: Callable
@@ -176,8 +176,9 @@ class CallOrder(NamedTuple):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def sharded_call(order: CallOrder, f, meta, shards, sinks, state, *args):
   """The one engine of a unit: `order`'s forward and backward as a `jax.custom_vjp` whose
-  differentiated inputs are the shards, the gradient sinks, the reduction's state and `args`. The shards' cotangent
-  is zero, the sinks' is the reduced gradient, the error-feedback buffers' the new errors."""
+  differentiated inputs are the shards, the gradient sinks, the reduction's state and `args`. The shards'
+  cotangent is zero, the sinks' is the reduced gradient, the state's what the reduction makes of it
+  (`GradReduction.state_cotangent`)."""
   del sinks, state
   return order.forward(f, meta, shards, args, False)[0]
 
@@ -189,9 +190,8 @@ def _engine_fwd(order, f, meta, shards, sinks, state, *args):
 
 def _engine_bwd(order, f, meta, residuals, g):
   residual, window, state = residuals
-  dshards, dsinks, error, dargs = order.backward(f, meta, residual, window, state, g)
-  seed = None if state[1] is None else np.zeros(state[1].shape, jax.dtypes.float0)
-  return (dshards, dsinks, (error, seed), *dargs)
+  dshards, dsinks, new, dargs = order.backward(f, meta, residual, window, state, g)
+  return (dshards, dsinks, meta.reduction.state_cotangent(state, new), *dargs)
 
 
 sharded_call.defvjp(_engine_fwd, _engine_bwd)
@@ -223,8 +223,8 @@ def _one_backward(f, meta, residual, window, state, g):
   kept, saved, out = residual
   if not meta.gather.moves:  # nothing is gathered (dp, zero1, zero2, any plan on one device): no order to keep
     dparams, dargs = call_backward(f, meta, meta.gather.backward(kept), saved, g)
-    dsinks, error = reduce_and_sync(meta, dparams, window, state)
-    return shard_cotangents(meta), dsinks, error, dargs
+    dsinks, new = reduce_and_sync(meta, dparams, window, state)
+    return shard_cotangents(meta), dsinks, new, dargs
   if out is not None:  # on GPUs only; XLA:CPU's program is left as it was
     g = lax.platform_dependent(g, out, cpu=lambda c, o: c, default=ordered_after)
   # The barrier ties the re-gather to the arriving cotangent: XLA can neither merge it with the forward
@@ -236,8 +236,8 @@ def _one_backward(f, meta, residual, window, state, g):
   # XLA:CPU merges the head's two gathers into one instead; its program is left as it was.
   kept = lax.platform_dependent(kept, saved, cpu=lambda k, a: k, default=ordered_after)
   dparams, dargs = call_backward(f, meta, meta.gather.backward(kept), saved, g)
-  dsinks, error = reduce_and_sync(meta, dparams, window, state)
-  return shard_cotangents(meta), dsinks, error, dargs
+  dsinks, new = reduce_and_sync(meta, dparams, window, state)
+  return shard_cotangents(meta), dsinks, new, dargs
 
 
 ONE_CALL = CallOrder(_one_forward, _one_backward)

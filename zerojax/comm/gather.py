@@ -14,8 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax import mesh as mesh_lib, quantization
-from zerojax.comm.wire import all_gather_raw, pack_wire, unpack_wire
+from zerojax import mesh as mesh_lib
+from zerojax.comm.formats import WireFormat
+from zerojax.comm.wire import all_gather_raw
 
 
 def _split_kxC(buf_kxC: jax.Array, chunks: list[int]) -> list[jax.Array]:
@@ -45,35 +46,27 @@ def hierarchical_all_gather(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return inside.reshape(-1, *x.shape)
 
 
-def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, bits: int | None = None,
-                    block: int = 256, backend: str | None = None, hierarchical: bool = False,
-                    rotate: bool = False, float8: bool = False) -> list[jax.Array]:
+def all_gather_unit(shards: list[jax.Array], axes: tuple[str, ...], *, fmt: WireFormat | None = None,
+                    backend: str | None = None, hierarchical: bool = False, rotate: bool = False) -> list[jax.Array]:
   """Gathers each leaf's local chunk `[c_i]` over `axes` into its full flat array `[k * c_i]`.
 
-  With `bits` (qwZ, ZeRO++ §3.1) the packed chunk is block-quantized, values and scales are gathered,
-  and the result is dequantized on arrival into the chunk's dtype. With `hierarchical` a group that
-  spans nodes gathers in two stages (MiCS §3.3, `hierarchical_all_gather`); the result is identical.
-  With `rotate` each block is Hadamard-rotated before quantization and back after (SDP4Bit §3.2).
-  With `float8` (instead of `bits`) the blocks travel as float8_e4m3fn codes and fp32 scales
-  (`quantization.quantize_float8`, FP8-LM §2.1), in the same wire layout. Without `axes` (a group of one
-  device) the shards are the leaves: nothing moves, nothing is quantized.
+  With a wire format `fmt` (qwZ's int8/int4, ZeRO++ §3.1; the float8 gather, FP8-LM §2.1) the packed
+  chunk is block-quantized, values and scales travel in one buffer (`WireFormat.pack`), and the result
+  is dequantized on arrival into the chunk's dtype. With `hierarchical` a group that spans nodes gathers
+  in two stages (MiCS §3.3, `hierarchical_all_gather`); the result is identical. With `rotate` each
+  block is Hadamard-rotated before quantization and back after (SDP4Bit §3.2). Without `axes` (a group
+  of one device) the shards are the leaves: nothing moves, nothing is quantized.
   """
   if not axes:
     return list(shards)
   gather = hierarchical_all_gather if hierarchical else (lambda x, ax: all_gather_raw(x, ax, axis=0, tiled=False))
   buf_C = jnp.concatenate(shards)
-  if float8:
-    block = block or buf_C.shape[0]
-    v, s = quantization.quantize_float8(buf_C, block)
-    v_kxV, s_kxS = unpack_wire(gather(pack_wire(v, s), axes), v.shape[0], bits=0)  # uint8 codes as sent
-    buf_kxC = quantization.dequantize_float8(v_kxV, s_kxS, block, buf_C.dtype)
-  elif bits is None:
+  if fmt is None:
     buf_kxC = gather(buf_C, axes)
   else:
-    block = block or buf_C.shape[0]  # 0: one scale for the whole shard (non-blocked)
-    v, s = quantization.quantize(buf_C, bits, block, rotate=rotate, backend=backend)
-    wire_kxW = gather(pack_wire(v, s), axes)
-    v_kxV, s_kxS = unpack_wire(wire_kxW, v.shape[0], bits)
-    buf_kxC = quantization.dequantize(v_kxV, s_kxS, bits, block, dtype=buf_C.dtype, rotate=rotate,
-                                      backend=backend).reshape(v_kxV.shape[0], -1)
+    fmt = fmt.for_length(buf_C.shape[0])  # block 0: one scale for the whole shard (non-blocked)
+    v, s = fmt.quantize(buf_C, rotate=rotate, backend=backend)
+    v_kxV, s_kxS = fmt.unpack(gather(fmt.pack(v, s), axes), v.shape[0])
+    buf_kxC = fmt.dequantize(v_kxV, s_kxS, dtype=buf_C.dtype, rotate=rotate,
+                             backend=backend).reshape(v_kxV.shape[0], -1)
   return _split_kxC(buf_kxC, [s.shape[0] for s in shards])

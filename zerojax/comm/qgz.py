@@ -31,14 +31,13 @@ from jax import lax
 
 from pallas_kernels import hadamard
 from zerojax import mesh as mesh_lib
-from zerojax import quantization as q
-from zerojax.comm.wire import pack_wire, unpack_wire
+from zerojax.comm.formats import WireFormat
 
 
-def _all_to_all(values, scales, axes: tuple[str, ...], bits: int):
+def _all_to_all(values, scales, axes: tuple[str, ...], fmt: WireFormat):
   """One all-to-all (split and concat on axis 0) of values and scales packed as raw bytes."""
-  wire = lax.all_to_all(pack_wire(values, scales), axes, 0, 0, tiled=True)
-  return unpack_wire(wire, values.shape[-1], bits)
+  wire = lax.all_to_all(fmt.pack(values, scales), axes, 0, 0, tiled=True)
+  return fmt.unpack(wire, values.shape[-1])
 
 
 def node_major(grad_W_c: jax.Array, axes: tuple[str, ...], sizes: tuple[int, ...]):
@@ -56,14 +55,14 @@ def node_major(grad_W_c: jax.Array, axes: tuple[str, ...], sizes: tuple[int, ...
   return tuple(axes[i] for i in node_ix), tuple(axes[i] for i in gpu_ix), nodes, gpus, grad_W_c
 
 
-def _hop_error(x: jax.Array, v, s, bits: int, block: int, rotate: bool, backend) -> jax.Array:
+def _hop_error(x: jax.Array, v, s, fmt: WireFormat, rotate: bool, backend) -> jax.Array:
   """What a quantization of `x` dropped: x - dequantize(quantize(x)), in x's shape (LoCo §3)."""
-  return x - q.dequantize(v, s, bits, block, rotate=rotate, backend=backend).reshape(x.shape)
+  return x - fmt.dequantize(v, s, rotate=rotate, backend=backend).reshape(x.shape)
 
 
 def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tuple[int, ...],
-                       bits: int | tuple[int, int], block: int, stages: int = 1, backend: str | None = None,
-                       rotate: bool = False, key: jax.Array | None = None, error=None):
+                       formats: WireFormat | tuple[WireFormat, WireFormat], stages: int = 1,
+                       backend: str | None = None, rotate: bool = False, key: jax.Array | None = None, error=None):
   """Sums the flat gradient `[W*c]` over `axes` and returns this device's chunk `[c]` (fp32).
 
   The axes may be any group of the (factored) mesh: its node part (`node` or its factors, e.g. a MiCS
@@ -74,8 +73,8 @@ def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tup
     grad_W_c: the local full gradient, owner-major over `axes`.
     axes: the mesh axes of the reduction group, e.g. ("node", "gpu"), ("node.2", "gpu") or ("gpu",).
     sizes: sizes of `axes`.
-    bits: quantization bits of both hops, or a pair (intra-node, inter-node) (SDP4Bit §3.2).
-    block: elements per quantization block.
+    formats: the wire format of both hops, or a pair (intra-node, inter-node), e.g. int8 inside the node
+      and int4 across (SDP4Bit §3.2), or float8 blocks (`comm.formats`); one block size for both.
     stages: pipeline stages.
     backend: quantization kernel backend.
     rotate: Hadamard-rotate each block before the first quantization; the sums stay rotated and the
@@ -95,40 +94,40 @@ def qgz_reduce_scatter(grad_W_c: jax.Array, *, axes: tuple[str, ...], sizes: tup
   if math.prod(sizes) == 1:  # a group of one device: nothing leaves it, so nothing is quantized or dropped
     out = grad_W_c.astype(jnp.float32)
     return out if error is None else (out, jax.tree.map(jnp.zeros_like, error))
-  intra, inter = (bits, bits) if isinstance(bits, int) else bits
+  intra, inter = (formats, formats) if isinstance(formats, WireFormat) else formats
   noise = lambda i, shape: None if key is None else hadamard.uniform(jax.random.fold_in(key, i), shape)
-  if not block:  # 0: one scale per slab (non-blocked)
-    block = grad_W_c.shape[0] // (math.prod(sizes) * stages)
+  slab = grad_W_c.shape[0] // (math.prod(sizes) * stages)  # block 0: one scale per slab (non-blocked)
+  intra, inter = intra.for_length(slab), inter.for_length(slab)
   node_axes, gpu_axes, nodes, gpus, grad_W_c = node_major(grad_W_c, axes, sizes)
   e_send, e_node = error if error is not None else (None, None)
   if e_send is not None:
     grad_W_c = grad_W_c + e_send
   if nodes == 1 or gpus == 1:  # the group lies in one node, or has one device per node: one hop
-    k, hop, b = (gpus, gpu_axes, intra) if nodes == 1 else (nodes, node_axes, inter)
-    v, s = q.quantize(grad_W_c, b, block, rotate=rotate, noise=noise(0, grad_W_c.shape), backend=backend)
+    k, hop, f = (gpus, gpu_axes, intra) if nodes == 1 else (nodes, node_axes, inter)
+    v, s = f.quantize(grad_W_c, rotate=rotate, noise=noise(0, grad_W_c.shape), backend=backend)
     if error is not None:
-      e_send = _hop_error(grad_W_c, v, s, b, block, rotate, backend)
-    v, s = _all_to_all(v.reshape(k, -1), s.reshape(k, -1), hop, b)  # [k(from), c]
-    out = q.dequant_sum(v, s, b, block, rotate=rotate, backend=backend)
+      e_send = _hop_error(grad_W_c, v, s, f, rotate, backend)
+    v, s = _all_to_all(v.reshape(k, -1), s.reshape(k, -1), hop, f)  # [k(from), c]
+    out = f.dequant_sum(v, s, rotate=rotate, backend=backend)
     return out if error is None else (out, (e_send, e_node))
-  v_SxGxNxc, s_SxGxNxb = q.reorder_quantize(grad_W_c, nodes, gpus, intra, block, stages=stages, rotate=rotate,
-                                            noise=noise(0, grad_W_c.shape), backend=backend)
+  v_SxGxNxc, s_SxGxNxb = intra.reorder_quantize(grad_W_c, nodes, gpus, stages=stages, rotate=rotate,
+                                                noise=noise(0, grad_W_c.shape), backend=backend)
   if error is not None:  # the first hop's error, back in the gradient's order [N, G, S, c/S]
-    d = q.dequantize(v_SxGxNxc, s_SxGxNxb, intra, block, rotate=rotate, backend=backend)
+    d = intra.dequantize(v_SxGxNxc, s_SxGxNxb, rotate=rotate, backend=backend)
     d = jnp.transpose(d.reshape(stages, gpus, nodes, -1), (2, 1, 0, 3)).reshape(-1)
     e_send, e_node = grad_W_c - d, e_node.reshape(stages, nodes, -1)
   out, e_nodes = [], []
   for st in range(stages):
     v, s = _all_to_all(v_SxGxNxc[st], s_SxGxNxb[st], gpu_axes, intra)  # [G(from), N, c/S]
     if error is None:  # the fused intra-node step: node-local sums, requantized
-      v, s = q.dequant_sum_quantize(v, s, intra, block, out_bits=inter, noise=noise(1 + st, v.shape[1:-1] + (
-          v.shape[-1] // q.packed_len(block, intra) * block,)), backend=backend)
+      v, s = intra.dequant_sum_quantize(v, s, inter, noise=noise(1 + st, v.shape[1:-1] + (
+          v.shape[-1] // intra.value_len(intra.block) * intra.block,)), backend=backend)
     else:
-      acc = q.dequant_sum(v, s, intra, block, backend=backend) + e_node[st]  # [N, c/S], rotated domain
-      v, s = q.quantize(acc, inter, block, noise=noise(1 + st, acc.shape), backend=backend)
-      e_nodes.append(_hop_error(acc, v, s, inter, block, False, backend))
+      acc = intra.dequant_sum(v, s, backend=backend) + e_node[st]  # [N, c/S], rotated domain
+      v, s = inter.quantize(acc, noise=noise(1 + st, acc.shape), backend=backend)
+      e_nodes.append(_hop_error(acc, v, s, inter, False, backend))
       v, s = v.reshape(nodes, -1), s.reshape(nodes, -1)
     v, s = _all_to_all(v, s, node_axes, inter)                          # [N(from), c/S]
-    out.append(q.dequant_sum(v, s, inter, block, rotate=rotate, backend=backend))  # [c/S]
+    out.append(inter.dequant_sum(v, s, rotate=rotate, backend=backend))  # [c/S]
   out = jnp.concatenate(out) if stages > 1 else out[0]
   return out if error is None else (out, (e_send, jnp.stack(e_nodes).reshape(-1)))

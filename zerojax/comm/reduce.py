@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from zerojax.comm import qgz
+from zerojax.comm.formats import WireFormat
 
 
 def _all_to_all_words(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -49,11 +50,11 @@ def all_to_all_reduce_scatter(grad_W_c: jax.Array, axes: tuple[str, ...], sizes:
 
 
 def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], sizes: tuple[int, ...], *,
-                        bits: int | tuple[int, int] | None = None, block: int = 256, stages: int = 1,
+                        formats: WireFormat | tuple[WireFormat, WireFormat] | None = None, stages: int = 1,
                         backend: str | None = None, all_to_all: bool = False, **fidelity):
   """Sums each leaf's full flat gradient `[k * c_i]` over `axes` and keeps this device's chunk `[c_i]`.
 
-  With `bits` the sum is qgZ's 2-hop quantized all-to-all (`zerojax.qgz`); with `all_to_all` the same
+  With wire `formats` the sum is qgZ's 2-hop quantized all-to-all (`zerojax.qgz`); with `all_to_all` the same
   hops move the gradient's own words (`all_to_all_reduce_scatter`); else `psum_scatter`. `fidelity`
   (`rotate`, `key`, `error`) passes on to qgZ. With `error` (the unit's packed buffers) the result is
   `(chunks, new error)`. Without `axes` (a group of one device) nothing moves and nothing is quantized:
@@ -65,13 +66,13 @@ def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], sizes: tu
   k = math.prod(sizes)
   chunks = [g.shape[0] // k for g in grads]
   buf_kxC = jnp.concatenate([g.reshape(k, c) for g, c in zip(grads, chunks)], axis=1)
-  if bits is None and all_to_all:
+  if formats is None and all_to_all:
     buf_C = all_to_all_reduce_scatter(buf_kxC.reshape(-1), axes, sizes)
-  elif bits is None:
+  elif formats is None:
     buf_C = lax.psum_scatter(buf_kxC.reshape(-1), axes, scatter_dimension=0, tiled=True)
   else:
-    buf_C = qgz.qgz_reduce_scatter(buf_kxC.reshape(-1), axes=axes, sizes=sizes, bits=bits, block=block,
-                                   stages=stages, backend=backend, **fidelity)
+    buf_C = qgz.qgz_reduce_scatter(buf_kxC.reshape(-1), axes=axes, sizes=sizes, formats=formats, stages=stages,
+                                   backend=backend, **fidelity)
   error = None
   if fidelity.get("error") is not None:
     buf_C, error = buf_C

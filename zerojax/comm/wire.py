@@ -26,20 +26,22 @@ def all_gather_raw(x: jax.Array, axes, **kw) -> jax.Array:
 
 
 def pack_wire(values: jax.Array, scales: jax.Array) -> jax.Array:
-  """Quantized values and their fp32 scales as one uint8 buffer `[..., V + 4 * S]`.
+  """One-byte value codes and their scales as one uint8 buffer `[..., V + itemsize * S]`.
 
   One collective then moves both (fewer, larger messages), and no floating-point data is on the wire:
-  the scales travel as raw bytes (bitcast, never converted or reduced).
+  the scales travel as raw bytes (bitcast, never converted or reduced). What the codes and scales are
+  is the wire format's (`comm.formats`).
   """
-  v = lax.bitcast_convert_type(values, jnp.uint8) if values.dtype == jnp.int8 else values
-  s = lax.bitcast_convert_type(scales, jnp.uint8)  # [..., S, 4]
+  v = values if values.dtype == jnp.uint8 else lax.bitcast_convert_type(values, jnp.uint8)
+  s = lax.bitcast_convert_type(scales, jnp.uint8)  # [..., S, itemsize]
   return jnp.concatenate([v, s.reshape(*scales.shape[:-1], -1)], axis=-1)
 
 
-def unpack_wire(buf: jax.Array, num_values: int, bits: int) -> tuple[jax.Array, jax.Array]:
-  """Inverse of `pack_wire`: `(values, scales)` from `[..., V + 4 * S]` uint8."""
+def unpack_wire(buf: jax.Array, num_values: int, value_dtype=jnp.uint8,
+                scale_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+  """Inverse of `pack_wire`: `(values in value_dtype, scales in scale_dtype)` from the uint8 buffer."""
   v, s = buf[..., :num_values], buf[..., num_values:]
-  if bits == 8:
-    v = lax.bitcast_convert_type(v, jnp.int8)
-  s = lax.bitcast_convert_type(s.reshape(*s.shape[:-1], -1, 4), jnp.float32)
+  if jnp.dtype(value_dtype) != jnp.uint8:
+    v = lax.bitcast_convert_type(v, value_dtype)
+  s = lax.bitcast_convert_type(s.reshape(*s.shape[:-1], -1, jnp.dtype(scale_dtype).itemsize), scale_dtype)
   return v, s

@@ -14,8 +14,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zerojax.executor import Model
-from zerojax.prefetch import scan_layers
+from zerojax.model import Model
+from zerojax.scan_layers import scan_layers
 from zerojax.unit import unit
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import LazyRng
 
-from zerojax.executor import Model
+from zerojax.model import Model
 from zerojax.models.checks import bound_axes, check_linen_module, loss_form, rng_streams
 from zerojax.unit import ShardedUnit, unit
 
@@ -124,8 +124,19 @@ def _matches(module, path, units) -> bool:
   return False
 
 
-def _unit_call(ctx, meta, leaves, mutable, args, kwargs):
-  """One call of a unit module inside the executor: its own method on the gathered parameters."""
+def check_unit_state(meta, state, where: str) -> None:
+  """A scanned unit whose layers flax calls one by one (nn.scan) cannot get its layer's slice of the
+  reduction's per-call state (`ShardedUnit.state`: qgZ's error feedback, stochastic rounding)."""
+  if state is not None and meta.scanned:
+    raise ValueError(f"{where}: grad_error_feedback / stochastic_rounding need each layer's qgZ state, but "
+                     "flax calls this scanned unit's layers one by one; make each layer its own unit (units=...) "
+                     "or drop them")
+
+
+def _unit_call(ctx, meta, state, leaves, mutable, args, kwargs):
+  """One call of a unit module inside the executor: its own method on the gathered parameters, with the
+  unit's per-call state (`ShardedUnit.state`) passed through."""
+  check_unit_state(meta, state, "/".join(ctx.module.path))
   m = ctx.module
   method = getattr(type(m), ctx.method_name)
   bare = m.unbind()[0]
@@ -149,7 +160,7 @@ def _unit_call(ctx, meta, leaves, mutable, args, kwargs):
       return out
     return _apply(bare, {"params": params, **others}, a, k, keys, cols, method=call)
 
-  su = ShardedUnit([l.shard for l in leaves], [l.sink for l in leaves], meta)
+  su = ShardedUnit([l.shard for l in leaves], [l.sink for l in leaves], meta, state)
   out, updates = unit(run)(su, others, keys, *args, **kwargs)
   if "counters" in after:  # shared with flax's transforms (nn.scan): update in place
     m.scope.rng_counters.clear()
@@ -163,14 +174,14 @@ def _unit_call(ctx, meta, leaves, mutable, args, kwargs):
 def _interceptor(metas: dict, mutable):
   def intercept(next_fun, args, kwargs, ctx):
     m = ctx.module
-    meta = metas.get(tuple(m.path)) if m.scope is not None and ctx.method_name != "setup" else None
-    if meta is None or not callable(getattr(type(m), ctx.method_name, None)):
+    entry = metas.get(tuple(m.path)) if m.scope is not None and ctx.method_name != "setup" else None
+    if entry is None or not callable(getattr(type(m), ctx.method_name, None)):
       return next_fun(*args, **kwargs)
     leaves = jax.tree.leaves(m.variables.get("params", {}), is_leaf=lambda x: isinstance(x, ShardLeaf))
     # Only a call with one layer's shards: an nn.scan-ed unit is intercepted inside flax's scan.
     if not leaves or not all(isinstance(l, ShardLeaf) and l.shard.ndim == 1 for l in leaves):
       return next_fun(*args, **kwargs)
-    return _unit_call(ctx, meta, leaves, mutable, args, kwargs)
+    return _unit_call(ctx, *entry, leaves, mutable, args, kwargs)
   return intercept
 
 
@@ -293,16 +304,16 @@ def _is_shape(x) -> bool:
 
 
 def user_tree(params: dict, paths: dict):
-  """The user's tree from the executor's `{unit: params}`, the units' metas by module path, and whether
-  the params are sharded (inside the executor: each named unit's leaves become `ShardLeaf`s, the root
-  unit is gathered whole)."""
+  """The user's tree from the executor's `{unit: params}`, each unit's `(meta, state)` by module path (its
+  `UnitMeta` and its opaque per-call state, `ShardedUnit.state`), and whether the params are sharded
+  (inside the executor: each named unit's leaves become `ShardLeaf`s, the root unit is gathered whole)."""
   sharded = any(isinstance(v, ShardedUnit) for v in params.values())
   if not sharded:
     return merge_user(params, paths), {}, False
   metas, tree = {}, {ROOT: unit(_identity)(params[ROOT])} if ROOT in params else {}
   for name, su in params.items():
     if name != ROOT:
-      metas[paths[name]] = su.meta
+      metas[paths[name]] = (su.meta, su.state)
       tree[name] = jax.tree.unflatten(su.meta.treedef, [ShardLeaf(a, b) for a, b in zip(su.shards, su.sinks)])
   return merge_user(tree, paths), metas, True
 

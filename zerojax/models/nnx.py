@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax.executor import Model
+from zerojax.model import Model
 from zerojax.models.checks import check_nnx_module, loss_form
-from zerojax.models.linen import (ShardLeaf, merge_user, user_tree, shape_struct, split_user, to_dict,
-                                  linen_rngs)
+from zerojax.models.linen import (ShardLeaf, check_unit_state, linen_rngs, merge_user, shape_struct, split_user,
+                                  to_dict, user_tree)
 from zerojax.unit import ShardedUnit, unit
 
 _COLLECTIONS = {"batch_stats": nnx.BatchStat, "params": nnx.Param}
@@ -97,7 +97,10 @@ def _intercept(instances: dict):
         c.__call__ = f
 
 
-def _unit_call(module, meta, orig, args, kwargs):
+def _unit_call(module, entry, orig, args, kwargs):
+  """One call of a unit module inside the executor, with its `(meta, per-call state)` from `user_tree`."""
+  meta, state = entry
+  check_unit_state(meta, state, type(module).__name__)
   gdef, params, rest = nnx.split(module, nnx.Param, ...)
   pure = nnx.to_pure_dict(params)
   leaves = jax.tree.leaves(pure, is_leaf=lambda x: isinstance(x, ShardLeaf))
@@ -109,7 +112,7 @@ def _unit_call(module, meta, orig, args, kwargs):
     out = orig(mod, *a, **k)
     return out, nnx.state(mod, nnx.Not(nnx.Param))
 
-  su = ShardedUnit([l.shard for l in leaves], [l.sink for l in leaves], meta)
+  su = ShardedUnit([l.shard for l in leaves], [l.sink for l in leaves], meta, state)
   out, new_rest = unit(run)(su, rest, *args, **kwargs)
   nnx.update(module, new_rest)
   return out

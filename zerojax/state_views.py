@@ -1,0 +1,115 @@
+"""The executor's train state: its creation directly into the plan's sharded layout (per unit, as FSDP
+initialises), the shardings of every field, and the logical views (the user's tree, unpadded).
+
+`StateViews` is one half of `zerojax.executor.Executor` (the other: `zerojax.step.StepMixin`); it reads
+the attributes `Executor.__init__` sets (`model`, `optimizer`, `plan`, `mesh`, `layout`, `stateful`,
+`param_specs`, `to_user`, `from_user`).
+
+References:
+  ZeRO: Rajbhandari et al. 2020, §5 (each device holds its partition of the model states).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax import layout as layout_lib
+from zerojax.train_state import TrainState
+
+
+class StateViews:
+  """Creation, shardings and logical views of an `Executor`'s train state."""
+
+  def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
+    """NamedShardings of every field of the train state."""
+    state_shapes = state_shapes or jax.eval_shape(self.init_from_flat, self.flat_shapes())
+    params = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs)
+    rep = NamedSharding(self.mesh, P())
+    opt_order = self.plan.sharding.opt_order or None
+    by_ndim = {1: NamedSharding(self.mesh, P(opt_order)), 2: NamedSharding(self.mesh, P(None, opt_order))}
+    opt = jax.tree.map(lambda x: rep if x.ndim == 0 else by_ndim[x.ndim], state_shapes.opt_state)
+    return TrainState(step=rep, params=params, opt_state=opt, skipped=rep,
+                      rng=jax.tree.map(lambda _: rep, state_shapes.rng),
+                      mutable=jax.tree.map(lambda _: rep, state_shapes.mutable),
+                      **{n: jax.tree.map(lambda s: NamedSharding(self.mesh, s), c.specs())
+                         for n, c in self.stateful.items()})
+
+  def flat_shapes(self):
+    return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), self.layout.tree(),
+                        is_leaf=layout_lib.is_layout)
+
+  def init_from_flat(self, flat, rng=None, mutable=None):
+    model, key = self.model, jax.random.key(0)
+    if model.rng:
+      rng = jax.random.key_data(jax.random.fold_in(key if rng is None else rng, 1))
+    if model.init_state is not None and mutable is None:
+      mutable = model.init_state(key)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=self.optimizer.init(flat),
+                      skipped=jnp.zeros((), jnp.int32), rng=rng if model.rng else None,
+                      mutable=mutable if model.init_state is not None else None,
+                      **{n: c.init(flat) for n, c in self.stateful.items()})
+
+  def init(self, rng: jax.Array) -> TrainState:
+    """Initialises the model and optimizer directly into the plan's sharded layout.
+
+    Each unit is created by its own jitted program whose outputs are the unit's flat shards (the rest of
+    `model.init` is dead code there), so no device ever holds more than its shards plus one unit's full
+    parameters (FSDP's per-unit initialisation).
+    """
+    return self._init_state({u: f(rng) for u, f in self.init_programs().items()}, rng)
+
+  def init_programs(self) -> dict:
+    """`{unit: jitted rng -> the unit's flat master shards}`, the programs `init` runs."""
+    programs = {}
+    for u, spec in self.param_specs.items():
+      make = lambda r, u=u: jax.tree.map(lambda x, l: layout_lib.flatten_leaf(x.astype(jnp.float32), l),
+                                         self.model.init(r)[u], self.layout.tree()[u])
+      programs[u] = jax.jit(make, out_shardings=jax.tree.map(lambda s: NamedSharding(self.mesh, s), spec))
+    return programs
+
+  def init_from_params(self, params, mutable=None) -> TrainState:
+    """Shards logical params (the model's `{unit: ...}` dict, or the user's tree) and initialises the
+    optimizer; `mutable` is the model's mutable collections (default: `Model.init_state`'s)."""
+    if self.model.from_user is not None and not _same_structure(params, self.layout.tree()):
+      params = self.from_user(params)
+    flat = layout_lib.to_flat(params, self.layout, self.mesh, self.plan.sharding.opt_order)
+    return self._init_state(flat, jax.random.key(0), mutable)
+
+  def _init_state(self, flat, rng, mutable=None) -> TrainState:
+    if self.model.init_state is not None and mutable is None:
+      mutable = jax.jit(self.model.init_state)(rng)
+    return jax.jit(self.init_from_flat, out_shardings=self.shardings())(flat, rng, mutable)
+
+  def logical_params(self, state: TrainState, device=None):
+    """The master weights in the user's tree and shapes (flax's `params`), without padding.
+
+    Placement: with `device=None` each leaf is a global array still laid out over the executor's mesh
+    (as the master weights are), so a program jitted on them is partitioned over the mesh. Pass a
+    `jax.Device` (e.g. `jax.devices()[0]`) or a `jax.sharding.Sharding` to get them there instead, e.g.
+    for evaluation or `save_pretrained` on one device; `jax.device_get` of the result gives numpy arrays.
+    Across several processes every process calls it with `device=None` (see `zerojax.train.export`).
+    """
+    params = self.to_user(layout_lib.to_logical(state.params, self.layout))
+    return params if device is None else _put(params, device)
+
+  def logical_variables(self, state: TrainState, device=None) -> dict:
+    """`{"params": logical_params(state), **mutable collections}`: what flax's `apply` takes (copies, so
+    they outlive the state, which the step donates); `device` places them as in `logical_params`."""
+    out = {"params": self.logical_params(state), **jax.tree.map(jnp.copy, state.mutable or {})}
+    return out if device is None else _put(out, device)
+
+  def user_layout(self):
+    """The `LeafLayout`s in the user's tree (what the optimizer and its states are named by)."""
+    return self.to_user(self.layout.tree())
+
+
+def _put(tree, device):
+  """`tree` on one device or under a sharding, for `logical_params(state, device=...)`."""
+  if not isinstance(device, (jax.Device, jax.sharding.Sharding)):
+    raise TypeError(f"device={device!r}: pass a jax.Device (e.g. jax.devices()[0]) or a jax.sharding.Sharding")
+  return jax.device_put(tree, device)
+
+
+def _same_structure(a, b) -> bool:
+  return jax.tree.structure(a) == jax.tree.structure(b, is_leaf=layout_lib.is_layout)

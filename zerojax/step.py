@@ -1,0 +1,246 @@
+"""The executor's jitted train step: inside one `jax.shard_map`, every micro-batch's forward and backward
+through the model's ZeRO units (one micro-step body; MiCS's in-backward replica sync is its parameter),
+the accumulation boundary's sync, then the optimizer on sharded global arrays (docs/DESIGN.md, "The flow
+of one step"); and the forward-only evaluation.
+
+`StepMixin` is one half of `zerojax.executor.Executor` (the other: `zerojax.state_views.StateViews`); it
+reads the attributes `Executor.__init__` sets (`model`, `optimizer`, `plan`, `mesh`, `layout`,
+`components`, `stateful`, `param_specs`, `accum_steps`, `data_axes`, `world`, `batch_sharding`).
+
+References:
+  ZeRO: Rajbhandari et al. 2020, §5. MiCS: Zhang et al. 2022, §3.4. AMSP: Chen et al. 2023, §3.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax import gpu_aot, logical as logical_lib
+from zerojax.model import call_loss
+from zerojax.stateful import keep
+from zerojax.train_state import TrainState
+from zerojax.unit import ShardedUnit
+
+
+class StepMetrics(NamedTuple):
+  loss: jax.Array
+  grad_norm: jax.Array
+  finite: jax.Array
+  aux: Any = None        # the loss's aux, averaged over micro-batches and devices (`Model.has_aux`)
+
+
+class StepMixin:
+  """The step and evaluation programs of an `Executor`."""
+
+  def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None) -> dict:
+    metas = {u: dataclasses.replace(m, sync_axes=sync_axes) for u, m in self._metas.items()}
+    state = state or {}
+    return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), metas[u],
+                           state.get(u)) for u in p_shards}
+
+  def _local_grads(self, master, batch, step=None, rng=None, mutable=None, local=None, phase="dense"):
+    """shard_map body: master shard (over A_os), local batch, the step, the run's rng, the mutable
+    collections and `{name: what each stateful component's body_in passes}` -> reduced gradient shard,
+    mean loss, mean aux, device-averaged mutable collections, `{name: the component's output}`."""
+    model, local, parts = self.model, local or {}, self.components
+    carried = {n: local[n] for n, c in self.stateful.items() if c.in_backward}  # through the backward
+    syncer = next((c for c in self.stateful.values() if phase in c.phases), None)  # replaces the all-reduce
+    p_shards = parts.gather.from_master(master)  # step 0
+    zeros_g = parts.reduction.sinks(self.layout.tree())
+    rank = lax.axis_index(self.data_axes)  # node-major, as the batch is sharded
+    key = lambda i: None if rng is None else jax.random.fold_in(
+        jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), step), i), rank)
+    if not self._checked:  # once per executor: every use of a parameter shard is a unit's
+      mb = jax.tree.map(lambda x: x[0], batch)
+      jaxpr = jax.make_jaxpr(lambda sh: call_loss(model, self._units(sh, zeros_g), mb, key(0), mutable)[0])(
+          p_shards)
+      logical_lib.check_units_own_params(jaxpr.jaxpr, jaxpr.jaxpr.invars)
+      self._checked = True
+
+    state = lambda e, i: parts.reduction.unit_states(self._metas, e, step, i, rank)
+
+    def micro(acc, mut, err, mb, i, sync_axes=()):
+      """One micro-batch's forward and backward: each unit reduces its gradient into its sinks. With
+      `sync_axes` (the window's last micro-step under MiCS's in-backward sync) the sinks are the window's
+      accumulated gradient, which each unit's backward adds to its own and all-reduces over the replicas."""
+      units = {}
+      def f(s, e):
+        u = units.setdefault("u", self._units(p_shards, s, sync_axes, state(e, i)))
+        loss, aux, new = call_loss(model, u, mb, key(i), mut)
+        return loss, (aux, new)
+      sinks = acc if sync_axes else zeros_g
+      (loss, (aux, mut)), (g, err) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(sinks, err)
+      if sync_axes:
+        self._check_single_calls(units["u"])
+      for c in self.stateful.values():  # the state is each unit's one backward's cotangent
+        if c.in_backward:
+          self._check_single_calls(units["u"], c.setting)
+      return (g if sync_axes else jax.tree.map(jnp.add, acc, g)), mut, err, loss, aux
+
+    def scanned(carry, xs):
+      acc, mut, err, loss, aux = micro(*carry, *xs)
+      return (acc, mut, err), (loss, aux)
+
+    index, sync = jnp.arange(self.accum_steps), parts.sync
+    if sync.in_backward and syncer is None:
+      # MiCS §3.4 with the boundary all-reduce overlapped: the window's last micro-step all-reduces each
+      # unit's gradient (plus what the window accumulated) inside its backward, so layer i's all-reduce
+      # runs while layer i-1's backward computes. The sums are the same as after the window.
+      head = jax.tree.map(lambda x: x[:-1], batch)
+      (acc, mutable, carried), (losses, aux) = lax.scan(scanned, (zeros_g, mutable, carried), (head, index[:-1]))
+      acc, mutable, carried, loss_l, aux_l = micro(acc, mutable, carried, jax.tree.map(lambda x: x[-1], batch),
+                                                   self.accum_steps - 1, sync.replicas)
+      losses = jnp.concatenate([losses, loss_l[None]])
+      aux = jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), aux, aux_l)
+    else:
+      (acc, mutable, carried), (losses, aux) = lax.scan(scanned, (zeros_g, mutable, carried), (batch, index))
+      acc = sync(acc, all_reduce=syncer is None)
+    loss = parts.mean(jnp.mean(losses))  # over the axes of size > 1: none on one device
+    aux = jax.tree.map(lambda a: parts.mean(jnp.mean(_inexact(a), axis=0)), aux)
+    mutable = jax.tree.map(lambda m: parts.mean(m) if _is_inexact(m) else m, mutable)
+    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
+    denom = self.world * self.accum_steps
+    out = {n: carried.get(n) for n in self.stateful}
+    if syncer is None:
+      return jax.tree.map(lambda g: g / denom, acc), loss, aux, mutable, out
+    grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], denom, phase)
+    return grads, loss, aux, mutable, out
+
+  def phase(self, state: TrainState) -> str:
+    """The program a step of `state` runs: the one a stateful component picks (`Stateful.phase`), else
+    "dense". Reads scalars of the state on the host."""
+    for c in self.stateful.values():
+      picked = c.phase(state)
+      if picked is not None:
+        return picked
+    return "dense"
+
+  @staticmethod
+  def _check_single_calls(units: dict, field: str = "sync_in_backward=True") -> None:
+    for name, u in units.items():
+      if len(u.meta.calls) > 1:
+        raise ValueError(f"unit {name!r} is called {len(u.meta.calls)} times per micro-batch; the plan's "
+                         f"{field} needs one call per unit: set it to False in the plan, or make each call "
+                         "its own unit")
+
+  def _train_step(self, state: TrainState, batch, phase: str = "dense"):
+    data = P(None, self.data_axes)
+    body_in = {n: c.body_in(getattr(state, n), phase) for n, c in self.stateful.items()}
+    out_specs = {n: c.body_out_specs(phase) for n, c in self.stateful.items()}
+    grads, loss, aux, mutable, out = jax.shard_map(
+        functools.partial(self._local_grads, phase=phase), mesh=self.mesh,
+        in_specs=(self.param_specs, data, P(), P(), P(), {n: s for n, (_, s) in body_in.items()}),
+        out_specs=(self.param_specs, P(), P(), P(), out_specs), check_vma=False)(
+            state.params, batch, state.step, state.rng, state.mutable, {n: v for n, (v, _) in body_in.items()})
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new = state.replace(step=state.step + 1, params=keep(finite, params, state.params),
+                        opt_state=keep(finite, opt_state, state.opt_state),
+                        skipped=state.skipped + (~finite).astype(jnp.int32),
+                        mutable=keep(finite, mutable, state.mutable),
+                        **{n: c.update(getattr(state, n), out[n], updates, state.step, finite, phase)
+                           for n, c in self.stateful.items()})
+    return new, StepMetrics(loss, grad_norm, finite, aux)
+
+  def step_fn(self, state_shardings: TrainState | None = None):
+    """The jitted `(state, batch) -> (state, StepMetrics)`; donates state.
+
+    `batch` is a pytree (numpy or jax arrays) whose leaves lead with `[accum, global_batch, ...]`, or
+    with `[global_batch, ...]` when `accum_steps == 1`; see `shard_batch`. The step runs the program of
+    `phase(state)`, each compiled on first use; `step.lower(state, batch, phase=None)` lowers one
+    (default: a stateful component's steady state, `Stateful.phases[-1]`, else "dense"). On GPUs it
+    compiles with `zerojax.gpu_aot.GPU_COMPILER_OPTIONS`.
+    """
+    if self._step is None:
+      sh = state_shardings or self.shardings()
+      programs = {}
+
+      def program(phase):
+        if phase not in programs:
+          programs[phase] = jax.jit(functools.partial(self._train_step, phase=phase),
+                                    in_shardings=(sh, self.batch_sharding),
+                                    out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0,
+                                    compiler_options=gpu_aot.compiler_options(self.mesh) or None)
+        return programs[phase]
+
+      def step(state, batch):
+        return program(self.phase(state))(state, self.shard_batch(batch))
+      default = next((c.phases[-1] for c in self.stateful.values() if c.phases), "dense")
+      step.lower = lambda state, batch, phase=None: program(phase or default).lower(state, batch)
+      self._step = step
+    return self._step
+
+  def shard_batch(self, batch):
+    """`batch` as the step takes it: every leaf `[accum, global_batch, ...]`, sharded over the data axes
+    (a leaf `[global_batch, ...]` gets the accumulation axis when `accum_steps == 1`)."""
+    batch = self._with_accum_axis(batch)
+    self.check_batch(batch)
+    put = lambda x: (x if isinstance(x, jax.Array) and x.sharding == self.batch_sharding
+                     else jax.device_put(x, self.batch_sharding))
+    return jax.tree.map(put, batch)
+
+  def _with_accum_axis(self, batch):
+    if self.accum_steps != 1:
+      return batch
+    example = self.model.example_batch
+    if example is not None and jax.tree.structure(example) == jax.tree.structure(batch):
+      return jax.tree.map(lambda x, e: x[None] if np.ndim(x) == len(e.shape) else x, batch, example)
+    if all(np.ndim(x) >= 2 and np.shape(x)[0] == 1 for x in jax.tree.leaves(batch)):
+      return batch
+    return jax.tree.map(lambda x: x[None], batch)
+
+  def check_batch(self, batch) -> None:
+    """Raises a one-line error for a batch the step cannot shard: every leaf must lead with
+    `[accum_steps, global_batch]`, global_batch the same for all leaves and divisible by the devices.
+
+    Args:
+      batch: a pytree of arrays (or `ShapeDtypeStruct`s), or the shape tuple of a one-array batch.
+    """
+    if isinstance(batch, tuple) and all(isinstance(d, int) for d in batch):
+      batch = jax.ShapeDtypeStruct(batch, jnp.int32)
+    sizes = set()
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+      shape, name = tuple(np.shape(x)), jax.tree_util.keystr(path) or "batch"
+      if len(shape) < 2 or shape[0] != self.accum_steps:
+        raise ValueError(f"batch leaf {name} of shape {shape} should be [accum_steps={self.accum_steps}, "
+                         "global_batch, ...] (or [global_batch, ...] when accum_steps=1)")
+      sizes.add(shape[1])
+    if len(sizes) > 1:
+      raise ValueError(f"batch leaves have different global batch sizes {sorted(sizes)} (axis 1 of "
+                       "[accum_steps, global_batch, ...]); give every leaf the same")
+    for b in sizes:
+      if b % self.world:
+        raise ValueError(f"global batch size {b} is not divisible by the {self.world} devices of the "
+                         f"mesh; use a multiple of {self.world}")
+
+  def eval_fn(self):
+    """Jitted `(params, batch[global_batch, ...], mutable=None)` -> mean loss (and aux with
+    `Model.has_aux`), forward only; the loss gets rng None and the mutable collections read-only."""
+    def local(master, batch, mutable):
+      shards = self.components.gather.from_master(master)
+      loss, aux, _ = call_loss(self.model, self._units(shards, shards), batch, None, mutable)
+      loss = self.components.mean(loss)
+      if not self.model.has_aux:
+        return loss
+      return loss, jax.tree.map(lambda a: self.components.mean(_inexact(a)), aux)
+    run = jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(self.data_axes), P()),
+                                out_specs=P(), check_vma=False))
+    return lambda params, batch, mutable=None: run(params, batch, mutable)
+
+
+def _is_inexact(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _inexact(x):
+  return x if _is_inexact(x) else x.astype(jnp.float32)
