@@ -14,3 +14,26 @@ def test_every_cited_section_of_the_design_is_a_heading():
     assert not re.search(r"(?<!docs/)DESIGN\.md", text), f"{path} cites DESIGN.md without its folder (docs/)"
   assert len(cited) >= 8
   assert [c for c in cited if c[1] not in headings] == []
+
+
+def format_block() -> str:
+  """The `BlockFloat8` class as `zerojax/comm/formats.py` holds it (what the design shows)."""
+  src = (ROOT / "zerojax" / "comm" / "formats.py").read_text()
+  start = src.index("@dataclasses.dataclass(frozen=True)\nclass BlockFloat8(")
+  return src[start:src.index("\n\n\n", start)] + "\n"
+
+
+def test_the_design_shows_the_float8_format_as_the_tree_holds_it():
+  """The "Wire formats" section's code block is the float8 format's class, verbatim: adding a format is
+  that much (`python -m tests.test_design_doc` rewrites the block from the tree)."""
+  text = (ROOT / "docs" / "DESIGN.md").read_text()
+  section = text[text.index("## Wire formats"):text.index("## qgZ step by step")]
+  shown = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  assert shown == format_block()
+
+
+if __name__ == "__main__":
+  doc = ROOT / "docs" / "DESIGN.md"
+  text = doc.read_text()
+  head = text.index("```python\n", text.index("## Wire formats")) + len("```python\n")
+  doc.write_text(text[:head] + format_block() + text[text.index("```", head):])

@@ -1,5 +1,5 @@
-"""The float8 weight gather (`Gather.weight_format`): docs/DESIGN.md's worked example of adding a
-communication technique as one component field, its setting, and these tests.
+"""The float8 weight gather (`Gather.weight_format`): the wire format `comm.formats.BlockFloat8`
+(docs/DESIGN.md, "Wire formats") named by one setting of the gather.
 
 The gather moves float8_e4m3fn blocks with an fp32 scale each (FP8-LM, Peng et al. 2023, §2.1): one
 byte per weight on the wire like qwZ's int8, a relative rounding error of at most 2^-4 per element.

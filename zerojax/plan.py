@@ -35,8 +35,8 @@ from jax.sharding import Mesh
 
 from zerojax import gpu_aot, mesh as mesh_lib
 from zerojax.mesh import AXES
-from zerojax.plan_values import (Gather, Radius, Reduction, ReplicaSync, Schedule, Sharding,  # noqa: F401
-                                 radius)  # re-exported: `zerojax.plan.radius` is what gin registers
+from zerojax.plan_radius import Radius, radius  # noqa: F401  (re-exported: gin registers `zerojax.plan.radius`)
+from zerojax.plan_values import Gather, Reduction, ReplicaSync, Schedule, Sharding
 
 VALUES = {"sharding": Sharding, "gather": Gather, "reduction": Reduction, "sync": ReplicaSync,
           "schedule": Schedule}

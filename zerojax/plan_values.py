@@ -14,98 +14,18 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Sequence
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zerojax import kernel_choice, remat
+from zerojax import remat
 from zerojax.comm import formats
 from zerojax.mesh import AXES
-
-Axes = tuple[str, ...] | int  # mesh axes by name, or a group of that many consecutive devices
+from zerojax import plan_checks as checks
+from zerojax.plan_checks import Axes
+from zerojax.plan_radius import Radius
 REDUCE_VIA = ("auto", "all_to_all", "reduce_scatter")
 REMAT = remat.MODES
-
-
-def _axes(axes: Sequence[str] | str | int) -> Axes:
-  if isinstance(axes, int) and not isinstance(axes, bool):
-    if axes < 1:
-      raise ValueError(f"a group of {axes} devices: use a positive group size")
-    return axes
-  return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-@dataclasses.dataclass(frozen=True)
-class Radius:
-  """Radius's sparse replica sync (Radius §4, Algorithms 1–2), the value of `ReplicaSync.replica_sync`.
-
-  Steps `0 .. dense_steps - 1` all-reduce densely, exactly like the plan without Radius. From then on,
-  every `period` steps a *select* step all-reduces gradient + residual densely, zeroes the residual and
-  picks the k largest |optimizer update| (for AdamW lr·|m̂/(√v̂+ε) + λw|, Algorithm 2) in each device's
-  shard of every leaf; the steps in between all-reduce only the k selected values and add the rest of
-  the local gradient to the residual. Every replica selects from the same values, so the indices agree
-  with no communication. k = ⌈density · c⌉ for a shard of c elements of a leaf (per layer). The ranking
-  is the update's magnitude, so a select step whose learning rate is 0 (a warm-up from 0) ranks only
-  ties and keeps the lowest positions: switch after it (`dense_steps` >= 1).
-
-  Attributes:
-    density: fraction of the gradient sent on sparse steps, in (0, 1] (the paper's d; 0.4 by default).
-    period: steps per selection window (the paper's T, 200).
-    dense_steps: steps trained densely before the first selection (the paper's threshold; it
-      switches after 15–20% of training).
-  """
-  density: float = 0.4
-  period: int = 200
-  dense_steps: int = 0
-
-  def __post_init__(self):
-    if not 0 < self.density <= 1:
-      raise ValueError(f"radius density={self.density} is outside (0, 1]; use the fraction of the gradient "
-                       "to send, e.g. 0.4")
-    if int(self.period) != self.period or self.period < 1:
-      raise ValueError(f"radius period={self.period} must be a whole number of steps >= 1 (the paper uses 200)")
-    if int(self.dense_steps) != self.dense_steps or self.dense_steps < 0:
-      raise ValueError(f"radius dense_steps={self.dense_steps} must be a whole number of steps >= 0")
-
-  def shard_k(self, chunk: int) -> int:
-    """Selected elements of a shard of `chunk` elements: ⌈density · chunk⌉ (at least 1)."""
-    return max(1, math.ceil(round(self.density * chunk, 6)))
-
-
-def radius(density: float = 0.4, period: int = 200, dense_steps: int = 0) -> Radius:
-  """Radius's replica sync (see `Radius`): `mics(replica_sync=radius(density=0.1))`."""
-  return Radius(density=density, period=period, dense_steps=dense_steps)
-
-
-def _dtype(value: str | None, field: str) -> None:
-  if value is None:
-    return
-  try:
-    jnp.dtype(value)
-  except TypeError:
-    raise ValueError(f"{field}={value!r} is not a dtype name (use 'float32' or 'bfloat16')") from None
-
-
-def _one_of(value, field: str, allowed: tuple) -> None:
-  if value not in allowed:
-    raise ValueError(f"{field}={value!r}; use one of {allowed}")
-
-
-def _block(value: int, field: str) -> None:
-  if value < 0 or value % 2:
-    raise ValueError(f"{field}={value} must be an even block size, or 0 for one scale per shard")
-
-
-def _backend(value: str | None) -> None:
-  if value is not None and value not in kernel_choice.BACKENDS:
-    raise ValueError(f"kernel_backend={value!r}; use one of {kernel_choice.BACKENDS} or None (the default backend)")
-
-
-def _rotatable(block: int, field: str) -> None:
-  if block < 2 or block & (block - 1):
-    raise ValueError(f"rotate=True needs a power-of-two {field}, got {block}; use e.g. 256")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +54,7 @@ class Sharding:
     if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
       raise ValueError(f"pad_multiple={self.pad_multiple!r} must be a whole number >= 1 (e.g. 256)")
     for f in ("param_axes", "grad_axes", "opt_axes"):
-      object.__setattr__(self, f, _axes(getattr(self, f)))
+      object.__setattr__(self, f, checks.axes(getattr(self, f)))
       axes = getattr(self, f)
       if not isinstance(axes, int) and len(set(axes)) != len(axes):
         raise ValueError(f"{f}={axes} repeats an axis")
@@ -208,21 +128,21 @@ class Gather:
   weight_format: str | None = None
 
   def __post_init__(self):
-    _one_of(self.weight_format, "weight_format", (None, *formats.FORMATS))
+    checks.one_of(self.weight_format, "weight_format", (None, *formats.FORMATS))
     if self.weight_format and self.weight_bits:
       raise ValueError(f"weight_format={self.weight_format!r} and weight_bits={self.weight_bits} both quantize "
                        "the gather; set one of them")
     if self.secondary_axes is not None:
-      object.__setattr__(self, "secondary_axes", _axes(self.secondary_axes))
-    _one_of(self.weight_bits, "weight_bits", (None, 4, 8))
-    _block(self.weight_block, "weight_block")
+      object.__setattr__(self, "secondary_axes", checks.axes(self.secondary_axes))
+    checks.one_of(self.weight_bits, "weight_bits", (None, 4, 8))
+    checks.block_size(self.weight_block, "weight_block")
     if self.rotate:
       if not isinstance(self.wire_format, formats.BlockInt):
         raise ValueError("rotate=True rotates qwZ's integer blocks, but weight_bits is None; set it or drop rotate")
-      _rotatable(self.weight_block, "weight_block")
+      checks.rotatable(self.weight_block, "weight_block")
     for f in ("param_dtype", "compute_dtype"):
-      _dtype(getattr(self, f), f)
-    _backend(self.kernel_backend)
+      checks.dtype_name(getattr(self, f), f)
+    checks.kernel_backend(self.kernel_backend)
 
   @property
   def wire_format(self) -> formats.WireFormat | None:
@@ -294,8 +214,8 @@ class Reduction:
         raise ValueError(f"grad_bits={self.grad_bits!r}; use 4, 8 or a pair (intra-node, inter-node) of "
                          "them, e.g. (8, 4)")
     else:
-      _one_of(self.grad_bits, "grad_bits", (None, 4, 8))
-    _one_of(self.grad_format, "grad_format", (None, *formats.FORMATS))
+      checks.one_of(self.grad_bits, "grad_bits", (None, 4, 8))
+    checks.one_of(self.grad_format, "grad_format", (None, *formats.FORMATS))
     if self.grad_format and self.grad_bits:
       raise ValueError(f"grad_format={self.grad_format!r} and grad_bits={self.grad_bits} both quantize qgZ's "
                        "hops; set one of them")
@@ -307,19 +227,19 @@ class Reduction:
       if getattr(self, f) and not self.quantized:
         raise ValueError(f"{f}=True acts on qgZ's quantization, but grad_bits is None; set grad_bits "
                          "(e.g. 4) or drop it")
-    _block(self.grad_block, "grad_block")
+    checks.block_size(self.grad_block, "grad_block")
     if self.qgz_stages < 1:
       raise ValueError(f"qgz_stages={self.qgz_stages} must be at least 1")
     if self.rotate:
       if not self.quantized:
         raise ValueError("rotate=True rotates qgZ's blocks, but grad_bits is None; set it or drop rotate")
-      _rotatable(self.grad_block, "grad_block")
-    _one_of(self.reduce_via, "reduce_via", REDUCE_VIA)
+      checks.rotatable(self.grad_block, "grad_block")
+    checks.one_of(self.reduce_via, "reduce_via", REDUCE_VIA)
     if self.quantized and self.reduce_via != "auto":
       raise ValueError(f"reduce_via={self.reduce_via!r} with qgZ (grad_bits={self.grad_bits}, grad_format="
                        f"{self.grad_format}), which is its own 2-hop all-to-all; leave reduce_via='auto'")
-    _dtype(self.reduce_dtype, "reduce_dtype")
-    _backend(self.kernel_backend)
+    checks.dtype_name(self.reduce_dtype, "reduce_dtype")
+    checks.kernel_backend(self.kernel_backend)
     if self.stochastic_rounding and self.kernel_backend == "triton":
       raise ValueError("stochastic_rounding=True is not in the triton kernels; use kernel_backend='pallas' or "
                        "'xla'")
@@ -410,4 +330,4 @@ class Schedule:
   def __post_init__(self):
     if self.prefetch is not None and not isinstance(self.prefetch, bool):
       raise ValueError(f"prefetch={self.prefetch!r}; use True, False or None (on for GPUs)")
-    _one_of(self.remat, "remat", (None, *REMAT))
+    checks.one_of(self.remat, "remat", (None, *REMAT))
