@@ -1,5 +1,5 @@
-"""The python code blocks of a markdown section, found by its title in README.md or, until it is merged
-there, in its own file under docs/: a docs test runs wherever the text lands."""
+"""The python code blocks of a markdown section, found by its title in README.md or else in its page under
+docs/: a docs test runs wherever the text lands."""
 import pathlib
 import re
 

@@ -22,7 +22,7 @@ def not_a_model(vocab_size, seq_len):
 
 @pytest.fixture
 def user_dir(tmp_path):
-  (tmp_path / "my_model.py").write_text(code_blocks("Your own model", "user_model.md")[0] + NOT_A_MODEL)
+  (tmp_path / "my_model.py").write_text(code_blocks("Your own model", "training.md")[0] + NOT_A_MODEL)
   return tmp_path
 
 
