@@ -3,7 +3,8 @@
 Compiles the train step of a gin config for abstract inputs (nothing runs) and prints ZeRO++ Table 1:
 per plan, the bytes of the forward gather, backward gather and gradient reduction, inside the node and
 across nodes. `--json` prints every collective (op, dtype, shapes, replica groups, mesh axes, role,
-executions per step, bytes). `--hlo FILE --mesh 2x4` accounts for a dumped HLO text instead.
+executions per step, bytes). `--hlo FILE --mesh 2x4` accounts for a dumped HLO text instead. The plan is
+named by `plan` (its name) and `label` (`zerojax.planner.space.label`: its sharding and techniques).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import jax
 from zerojax import mesh as mesh_lib
 from zerojax.analysis import (collectives_from_hlo, render_collectives, render_table, step_collectives,
                               step_hlo, step_report, summarize)
+from zerojax.planner.space import label
 
 
 def gin_train_args(gin_files: list[str], gin_params: list[str]) -> dict:
@@ -100,7 +102,9 @@ def main(argv=None) -> None:
     if args.dump_hlo:
       with open(args.dump_hlo, "w") as f:
         f.write(text)
-    out = {"config": {"gin_files": args.gin_file, "gin_params": args.gin_param, "plan": ex.plan.name, "phase": phase,
+    name, tag = ex.plan.name, label(ex.plan)
+    out = {"config": {"gin_files": args.gin_file, "gin_params": args.gin_param, "plan": name, "label": tag,
+                      "phase": phase,
                       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "param_dtype": ex.plan.gather.param_dtype,
                       "reduce_dtype": ex.plan.reduction.reduce_dtype, "remat": ex.components.remat,
                       "gradient_reduction": ("qgz" if ex.plan.reduction.grad_bits else "all_to_all"
@@ -108,8 +112,9 @@ def main(argv=None) -> None:
                       "accum_steps": ex.accum_steps,
                       "batch_size": train_args["batch_size"], "seq_len": cfg.seq_len}}
     out.update(step_report(ex, step_collectives(ex, hlo_text=text)))
-    if not args.json:
-      print(render_table(out))
+    if not args.json:  # the table's head names the plan and its label
+      shown = name if name == tag else f"{name} = {tag}"
+      print(render_table({**out, "config": {**out["config"], "plan": shown}}))
       return
   json.dump(out, sys.stdout, indent=2)
   sys.stdout.write("\n")

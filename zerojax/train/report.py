@@ -1,7 +1,8 @@
 """What a run leaves in its workdir: `metrics.jsonl`, TensorBoard events, `loss.png`, `summary.json`.
 
 Only process 0 writes. After a resume `metrics.jsonl` is cut back to the restored step, so that every
-step appears once, and the TensorBoard writer purges the events past it.
+step appears once, and the TensorBoard writer purges the events past it. The plan is named by its one
+label, `zerojax.planner.space.label`.
 """
 from __future__ import annotations
 
@@ -10,59 +11,10 @@ import logging
 import math
 import os
 
-from zerojax.mesh import AXES
+from zerojax.planner.space import label
 
 TENSORBOARD = "tensorboard"  # the events' folder in the workdir: `tensorboard --logdir WORKDIR/tensorboard`
-
-
-def describe_plan(plan) -> str:
-  """A name of the plan that tells its sharding and each ZeRO++ technique apart.
-
-  E.g. "zero3", "mics", "zero3+qwZ(int8)", "zero3+hpZ(gpu)", "zero3+qwZ(int8)+hpZ(gpu)+qgZ(int4)";
-  a sharding that is no named stage reads "shard(params=gpu,grads=node.gpu,opt=node.gpu)".
-  """
-  def whole(axes):  # a factored axis ("gpu.member") counts as its axis
-    return frozenset(a.split(".")[0] for a in axes)
-  every, gpu, none = frozenset(AXES), frozenset({"gpu"}), frozenset()
-  stages = {(none, none, none): "dp", (none, none, every): "zero1", (none, every, every): "zero2",
-            (every, every, every): "zero3", (gpu, gpu, gpu): "mics"}
-  if not hasattr(plan, "settings"):  # auto(): the planner names the plan it picks
-    return getattr(plan, "name", "auto")
-  f = plan.settings()
-  degrees = (f["param_axes"], f["grad_axes"], f["opt_axes"])
-  if any(isinstance(d, int) for d in degrees):  # groups named by size (MiCS, AMSP)
-    p, g, o = (d if isinstance(d, int) else "+".join(d) or 1 for d in degrees)
-    base = plan.name if plan.name.startswith("amsp") or "-" in plan.name else (
-        f"{plan.name}(group={p})" if p == g == o else f"{plan.name}(s_p={p},s_g={g},s_os={o})")
-    return "+".join([base] + _techniques(plan))
-  shard = tuple(whole(d) for d in degrees)
-  base = stages.get(shard) or "shard(" + ",".join(
-      f"{k}={'.'.join(a) or '-'}" for k, a in zip(("params", "grads", "opt"), degrees)) + ")"
-  return "+".join([base] + _techniques(plan))
-
-
-def _techniques(plan) -> list[str]:
-  parts, f = [], plan.settings()
-  if f["weight_bits"]:
-    parts.append(f"qwZ(int{f['weight_bits']}{'' if f['weight_block'] else ',per-shard'}"
-                 f"{',rot' if plan.gather.rotate else ''})")
-  if f["weight_format"]:
-    parts.append(f"gather({f['weight_format']}{'' if f['weight_block'] else ',per-shard'})")
-  if f["secondary_axes"]:
-    sec = f["secondary_axes"]
-    parts.append(f"hpZ({sec if isinstance(sec, int) else ','.join(sec)})")
-  if f["grad_bits"]:
-    bits = "/".join(f"int{b}" for b in dict.fromkeys(plan.reduction.hop_bits))
-    extra = [n for k, n in (("rotate", "rot"), ("grad_error_feedback", "ef"), ("stochastic_rounding", "sr"))
-             if getattr(plan.reduction, k)]
-    parts.append(f"qgZ({','.join([bits] + ([] if f['grad_block'] else ['per-shard']) + extra)})")
-  elif f["reduce_dtype"] != "float32":
-    parts.append(f"grads({f['reduce_dtype']})")
-  if f["remat"] is not None:
-    parts.append(f"remat({f['remat']})")
-  if f["prefetch"]:
-    parts.append("prefetch")
-  return parts
+describe_plan = label  # the trainer's name for the plan's label (`zerojax.train.trainer`)
 
 
 def read_metrics(path: str) -> list[dict]:

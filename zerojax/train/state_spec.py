@@ -78,8 +78,9 @@ class _Spec:
         executor.user_layout(), is_leaf=layout_lib.is_layout)[0]]
     fields = tuple(f.name for f in dataclasses.fields(shapes))
     if sorted(fields) != sorted(STORED):
-      raise CheckpointError(f"TrainState has fields {fields} but checkpoints store {STORED}: add a new field "
-                            "to checkpoint.STORED if it is state, or rebuild it after `restore` if derived")
+      raise CheckpointError(f"TrainState has fields {fields} but checkpoints store {STORED}: add a new field to "
+                            "zerojax.train.state_spec.STORED if it is state, or rebuild it after `restore` if "
+                            "derived")
     leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes)
     axes, mesh = executor.plan.sharding.opt_order, executor.mesh
     self.components = set(executor.stateful)
