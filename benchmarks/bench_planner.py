@@ -80,6 +80,8 @@ def gin_params(row: dict) -> list[str]:
   if row["grad_bits"]:
     bits = row["grad_bits"]
     out.append(f"amsp.grad_bits={tuple(bits) if isinstance(bits, list) else bits}")
+  if row.get("grad_format"):
+    out.append(f"amsp.grad_format='{row['grad_format']}'")
   if row["reduce16"]:
     out.append("amsp.reduce_dtype='bfloat16'")
   if row["radius"]:

@@ -94,3 +94,25 @@ def test_compiled_step_moves_one_byte_per_gradient_element():
   int8 = gradient_hops(plans.zero3(param_dtype="float32", grad_bits=8))
   assert fp8 and {c.dtype for c in fp8} == {"u8"}, {c.dtype for c in fp8}
   assert sum(c.bytes_per_device * c.count for c in fp8) == sum(c.bytes_per_device * c.count for c in int8)
+
+
+def test_the_planner_ranks_float8_hops_beside_int8_and_labels_them():
+  """The planner's space holds float8 hops on every point that shards gradients; the cost model prices
+  them at int8's wire bytes (the same time); the plan it builds and its label name the format."""
+  from zerojax.planner import space
+  from zerojax.planner.cost import Workload, comm_time
+  from zerojax.planner.links import link_profile
+
+  z3 = space.Point(8, 8, 8)
+  options = space.grad_options(z3, world=8, gpus=4)
+  assert {"grad_bits": None, "grad_format": FP8, "reduce16": False, "radius": False} in options
+  fp8 = space.Point(8, 8, 8, grad_format=FP8)
+  assert fp8.name(8) == "zero3+qgzfp8" and fp8.quantized and not fp8.lossy
+  plan = fp8.plan(2, 4)
+  assert plan.reduction.grad_format == FP8 and space.label(plan) == "mics(group=8)+qgZ(fp8)"
+  assert space.label(plans.zero3(grad_format=FP8)) == "zero3+qgZ(fp8)"
+  work = Workload(units=((1 << 20, 4),), accum=1, param_bytes=2, opt_bytes_per_param=8, compute_s=0.1)
+  prof = link_profile(2, 4, b_gpu=100e9, b_node=12.5e6, source="test")
+  int8 = comm_time(space.Point(8, 8, 8, grad_bits=8), work, prof, 4)["T_g"]
+  int4 = comm_time(space.Point(8, 8, 8, grad_bits=4), work, prof, 4)["T_g"]
+  assert comm_time(fp8, work, prof, 4)["T_g"] == pytest.approx(int8) and int4 < int8

@@ -2,7 +2,7 @@
 
 A `WireFormat` owns everything that depends on how a block of floats is encoded: quantize and
 dequantize (and the two fused steps of qgZ's hops), how values and scales are packed into the one
-uint8 buffer a collective moves, its bytes per element, its alignment and its label. The gathers
+uint8 buffer a collective moves, its bytes per element, its alignment and its names in labels. The gathers
 (`comm.gather`), qgZ's hops (`comm.qgz`), the plan values (`Gather.wire_format`,
 `Reduction.hop_formats`), the planner's cost model and the labels read these; none of them keys on
 bits or on a format's name.
@@ -70,9 +70,14 @@ class WireFormat:
 
   # -- derived ---------------------------------------------------------------------------------------
   @property
-  def label(self) -> str:
-    """How reports and the planner name it: the format, and "per-shard" for one scale per buffer."""
-    return self.name + ("" if self.block else ",per-shard")
+  def short(self) -> str:
+    """How a plan's label names it ("int8", "fp8"; `zerojax.planner.space.label`)."""
+    return self.name
+
+  @property
+  def token(self) -> str:
+    """How the planner's ids name it ("8" in "qgz8", "fp8" in "qgzfp8")."""
+    return str(self.bits)
 
   @property
   def alignment(self) -> int:
@@ -187,8 +192,12 @@ class BlockFloat8(WireFormat):
     return elements
 
   @property
-  def label(self) -> str:
-    return "fp8" + ("" if self.block else ",per-shard")
+  def short(self) -> str:
+    return "fp8"
+
+  @property
+  def token(self) -> str:
+    return "fp8"
 
   def quantize(self, x, *, rotate=False, noise=None, backend=None):
     if rotate or noise is not None:

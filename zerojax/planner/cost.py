@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 
 from zerojax.plan import Radius
-from zerojax.planner.space import BLOCK, Point
+from zerojax.planner.space import Point
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 # Radius's replica all-reduce over a window of `period` steps, as a fraction of the dense one: one dense
@@ -92,7 +92,7 @@ def groups_needed(point: Point, world: int, gpus: int | None = None) -> list[tup
     if point.hpz and p > gpus:
       out.append(("all_gather", gpus, 1))
   if g > 1:
-    if point.grad_bits or point.reduce16:
+    if point.hop_formats or point.reduce16:
       out += [("all_to_all", gpus, 1), ("all_to_all", g // gpus, gpus)] if g > gpus else [("all_to_all", g, 1)]
     else:
       out.append(("reduce_scatter", g, 1))
@@ -111,16 +111,12 @@ def widens_16bit(profile: dict) -> bool:
   return bool(profile.get("widens_16bit_reductions", profile.get("backend") == "cpu"))
 
 
-def quantized_bytes(bits: int) -> float:
-  """Wire bytes per element of a block-quantized buffer: the codes and one fp32 scale per block."""
-  return bits / 8 + 4 / BLOCK
-
-
 def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spanning_only: bool = False) -> dict:
   """T_p, T_g, T_os^0, T_os^1 and their sum T_comm (seconds per step) from the profile's α-β fits; with
   `spanning_only`, of the collectives whose groups span nodes only.
 
-  The techniques change the terms as the executor runs them: qwZ gathers `quantized_bytes(bits)` per
+  The techniques change the terms as the executor runs them: qwZ gathers its wire format's bytes per
+  element (`WireFormat.bytes_per_element`: the codes and one fp32 scale per block) per
   parameter (again in backward unless hpZ); hpZ's backward gathers the parameter dtype inside the node; a
   hierarchical gather is a gather of v/G across nodes (stride G) and one of v inside the node (MiCS
   §3.3); qgZ and the 16-bit reduction are the two-hop all-to-all (inside the node, then v/G across
@@ -152,15 +148,14 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
 
   r = 2 if point.reduce16 else work.grad_bytes
   r_psum = 4 if r == 2 and widens_16bit(profile) else r  # psum / psum_scatter words on the wire
-  wire = quantized_bytes(point.weight_bits) if point.weight_bits else work.param_bytes
+  wire = point.gather_format.bytes_per_element() if point.gather_format else work.param_bytes
   t_p = t_g = 0.0
   for n, calls in work.units:
     fwd = gather(wire * n)
     bwd = t("all_gather", work.param_bytes * n, gpus, 1) if point.hpz and p > gpus else fwd
     t_p += work.accum * calls * (fwd + bwd)
-    if point.grad_bits:
-      b0, b1 = point.hop_bits
-      t_g += work.accum * calls * two_hop(n, quantized_bytes(b0), quantized_bytes(b1))
+    if point.hop_formats:
+      t_g += work.accum * calls * two_hop(n, *(f.bytes_per_element() for f in point.hop_formats))
     elif point.reduce16:
       t_g += work.accum * calls * two_hop(n, 2, 2)
     else:
@@ -183,7 +178,7 @@ def quant_elements(point: Point, work: Workload, gpus: int) -> float:
     per = 0.0
     if point.weight_bits and point.s_p > 1:
       per += n * (1 if point.hpz and point.s_p > gpus else 2)
-    if point.grad_bits and point.s_g > 1:
+    if point.hop_formats and point.s_g > 1:
       per += 2 * n + (2 * n / gpus if point.s_g > gpus else 0)
     out += work.accum * calls * per
   return out

@@ -44,6 +44,7 @@ import dataclasses
 import itertools
 
 from zerojax import mesh as mesh_lib
+from zerojax.comm import formats
 from zerojax.mesh import AXES
 from zerojax.plan import Plan, radius
 from zerojax.plan_values import Reduction
@@ -111,8 +112,8 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
                          "rot" (SDP4Bit §3.2), "fwd-only" (`quantize_backward_gather=False`, without hpZ)
     gather(float8_e4m3fn,...)  the float8 gather (FP8-LM §2.1), with qwZ's block and "fwd-only"
     hpZ(gpu)             ZeRO++ §3.2's secondary shard, over these axes (or a group size)
-    qgZ(int8/int4,...)   ZeRO++ §3.3's quantized reduction: each hop's bits, the block, "rot", "ef" (LoCo
-                         §3's error feedback), "sr" (stochastic rounding)
+    qgZ(int8/int4,...)   ZeRO++ §3.3's quantized reduction: each hop's wire format (int8, int4, fp8), the
+                         block, "rot", "ef" (LoCo §3's error feedback), "sr" (stochastic rounding)
     grads(bfloat16,...)  `reduce_dtype` other than float32, and `reduce_via` where it overrides "auto"
     radius(d=,T=,dense=)  Radius §4's (Algorithm 1) sparse replica sync: density, period, dense steps
   """
@@ -123,17 +124,18 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
     out.append(("hier", "hier"))
   fwd_only = ["fwd-only"] if not f["quantize_backward_gather"] and not f["secondary_axes"] else []
   if f["weight_bits"]:
-    parts = [f"int{f['weight_bits']}"] + _block(f["weight_block"]) + ["rot"] * bool(f["rotate"]) + fwd_only
-    out.append((f"qwZ({','.join(parts)})", f"qwz{f['weight_bits']}"))
+    fmt = formats.integer(f["weight_bits"], f["weight_block"])
+    parts = [fmt.short] + _block(f["weight_block"]) + ["rot"] * bool(f["rotate"]) + fwd_only
+    out.append((f"qwZ({','.join(parts)})", f"qwz{fmt.token}"))
   if f["weight_format"]:
     out.append((f"gather({','.join([f['weight_format']] + _block(f['weight_block']) + fwd_only)})", "fp8"))
   if f["secondary_axes"]:
     out.append((f"hpZ({_group(f['secondary_axes'])})", "hpz"))
-  if f["grad_bits"]:
-    hops = list(dict.fromkeys(f["grad_bits"] if isinstance(f["grad_bits"], (tuple, list)) else (f["grad_bits"],)))
+  hops = hop_formats(f)
+  if hops:
     extra = [n for k, n in (("rotate", "rot"), ("grad_error_feedback", "ef"), ("stochastic_rounding", "sr")) if f[k]]
-    parts = ["/".join(f"int{b}" for b in hops)] + _block(f["grad_block"]) + extra
-    out.append((f"qgZ({','.join(parts)})", "qgz" + "-".join(str(b) for b in hops)))
+    parts = ["/".join(h.short for h in hops)] + _block(f["grad_block"]) + extra
+    out.append((f"qgZ({','.join(parts)})", "qgz" + "-".join(h.token for h in hops)))
   dtype, via = f["reduce_dtype"], f["reduce_via"]
   moved = via != "auto" and (via == "all_to_all") != Reduction(reduce_dtype=dtype).gradient_all_to_all
   if dtype != "float32" or moved:
@@ -144,6 +146,14 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
     dense = f",dense={r.dense_steps}" if r.dense_steps else ""
     out.append((f"radius(d={r.density:g},T={r.period}{dense})", "radius"))
   return out
+
+
+def hop_formats(f: dict) -> list[formats.WireFormat]:
+  """qgZ's distinct wire formats of the plan settings `f`, intra-node hop first (`Reduction.hop_formats`)."""
+  if f.get("grad_format"):
+    return [formats.of(f["grad_format"], f["grad_block"])]
+  bits = f["grad_bits"] if isinstance(f["grad_bits"], (tuple, list)) else (f["grad_bits"],)
+  return list(dict.fromkeys(formats.integer(b, f["grad_block"]) for b in bits if b))
 
 
 def degrees(nodes: int, gpus: int) -> list[int]:
@@ -159,7 +169,8 @@ class Point:
 
   Techniques: `weight_bits` qwZ (None, 8, 4); `hpz` hpZ's in-node secondary shard; `hierarchical` the
   MiCS gather for a parameter group that spans nodes (False: flat); `grad_bits` qgZ (None, 8, 4, or
-  (intra, inter) per hop); `reduce16` 16-bit gradient reduction; `radius` Radius's replica sync."""
+  (intra, inter) per hop), or `grad_format` qgZ's hops in a named wire format ("float8_e4m3fn");
+  `reduce16` 16-bit gradient reduction; `radius` Radius's replica sync."""
   s_p: int
   s_g: int
   s_os: int
@@ -170,6 +181,7 @@ class Point:
   reduce16: bool = False
   radius: bool = False
   intra: tuple[int, int, int] | None = None
+  grad_format: str | None = None
 
   @property
   def base(self) -> Point:
@@ -178,7 +190,19 @@ class Point:
 
   @property
   def quantized(self) -> bool:
-    return bool(self.weight_bits or self.grad_bits)
+    return bool(self.weight_bits or self.grad_bits or self.grad_format)
+
+  @property
+  def gather_format(self) -> formats.WireFormat | None:
+    """qwZ's wire format (None: the parameters' dtype)."""
+    return formats.integer(self.weight_bits, BLOCK)
+
+  @property
+  def hop_formats(self) -> tuple[formats.WireFormat, formats.WireFormat] | None:
+    """qgZ's wire format per hop, (intra-node, inter-node); None without qgZ."""
+    if self.grad_format:
+      return (formats.of(self.grad_format, BLOCK),) * 2
+    return None if self.hop_bits is None else tuple(formats.integer(b, BLOCK) for b in self.hop_bits)
 
   @property
   def lossy(self) -> bool:
@@ -214,6 +238,8 @@ class Point:
   def _fields(self) -> dict:
     """The plan settings of the point's techniques."""
     kw = dict(hierarchical=self.hierarchical, weight_bits=self.weight_bits, grad_bits=self.grad_bits)
+    if self.grad_format:
+      kw["grad_format"] = self.grad_format
     if self.hpz:
       kw["secondary_axes"] = ("gpu",)  # hpZ: the backward gather stays inside the node
     if self.reduce16:
@@ -242,12 +268,14 @@ def param_options(pt: Point, gpus: int, lossy: bool = False) -> list[dict]:
 
 
 def grad_options(pt: Point, world: int, gpus: int, lossy: bool = False) -> list[dict]:
-  """The gradient techniques: fp32, qgZ bits (per hop when s_g spans nodes) or a 16-bit reduction, each
-  with or without Radius."""
-  bits = [None] + ([8, 4] + ([(8, 4)] if pt.s_g > gpus else []) if pt.s_g > 1 else [])
+  """The gradient techniques: fp32, qgZ (int8, int4, per hop when s_g spans nodes, or float8 hops) or a
+  16-bit reduction, each with or without Radius."""
+  bits = [8, 4] + ([(8, 4)] if pt.s_g > gpus else []) if pt.s_g > 1 else []
+  qgz = [dict(grad_bits=b) for b in bits] + ([dict(grad_format="float8_e4m3fn")] if pt.s_g > 1 else [])
   rad = (False, True) if lossy and pt.s_os < world else (False,)
-  reductions = [(b, False) for b in bits] + [(None, True)]  # qgZ is its own reduction: no 16-bit with it
-  return [dict(grad_bits=b, reduce16=r16, radius=r) for b, r16 in reductions for r in rad]
+  reductions = [{}] + qgz + [dict(reduce16=True)]  # qgZ is its own reduction: no 16-bit with it
+  plain = dict(grad_bits=None, grad_format=None, reduce16=False)
+  return [{**plain, **red, "radius": r} for red in reductions for r in rad]
 
 
 def with_techniques(pt: Point, nodes: int, gpus: int, lossy: bool = False) -> list[Point]:

@@ -11,10 +11,7 @@ import logging
 import math
 import os
 
-from zerojax.planner.space import label
-
 TENSORBOARD = "tensorboard"  # the events' folder in the workdir: `tensorboard --logdir WORKDIR/tensorboard`
-describe_plan = label  # the trainer's name for the plan's label (`zerojax.train.trainer`)
 
 
 def read_metrics(path: str) -> list[dict]:

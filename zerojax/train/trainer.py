@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
+from zerojax.planner.space import label
 from zerojax.executor import Executor
 from zerojax.memory import memory_report
 from zerojax.mesh import make_mesh
@@ -222,7 +223,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       log = report.RunLog(workdir, start_step)
       if first_loss is None and resumed is not None:
         first_loss = log.first_loss()
-    _say(f"plan={report.describe_plan(plan)} mesh={dict(mesh.shape)} data={dataset.source}")
+    _say(f"plan={label(plan)} mesh={dict(mesh.shape)} data={dataset.source}")
     _say(f"model-state bytes per device {json.dumps(memory_report(ex)['expected'])}")
     tokens_per_step = batch_size * accum_steps * cfg.seq_len
     bar = tqdm(total=steps, initial=start_step, disable=not (lead and progress), dynamic_ncols=True)
@@ -271,7 +272,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
   if export:
     export_lib.export_params(ex, state, os.path.join(workdir, "params.npz"))
   median = float(np.median(times)) if times else None
-  summary = {"plan": report.describe_plan(plan), "plan_name": plan.name, "mesh": dict(mesh.shape),
+  summary = {"plan": label(plan), "plan_name": plan.name, "mesh": dict(mesh.shape),
              "status": f"stopped by {stopped_by}" if stopped_by else "finished", "stopped_by": stopped_by,
              "step": step, "steps": steps, "first_loss": _finite(first_loss), "final_loss": _finite(loss),
              "final_eval_loss": _finite(eval_loss), "skipped_steps": int(state.skipped),
