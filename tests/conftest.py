@@ -4,6 +4,7 @@ import os
 import tempfile
 
 from tests import platforms  # no jax import
+from tests.fast_suite import MOVED
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # A persistent compilation cache shared by this process and the train.py processes the tests start (they
@@ -36,7 +37,7 @@ SLOW_KINDS = ("e2e", "multiprocess", "gpu_compile")  # each of these is also `sl
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config, items):
   for item in items:
-    if any(item.get_closest_marker(kind) for kind in SLOW_KINDS):
+    if any(item.get_closest_marker(kind) for kind in SLOW_KINDS) or item.nodeid in MOVED:
       item.add_marker(pytest.mark.slow)
   if _has_gpu():
     return
