@@ -234,6 +234,7 @@ def test_cli_accounts_a_gin_config(tmp_path, capsys, monkeypatch):
     gin.clear_config()
   report = json.loads(capsys.readouterr().out)
   assert report["config"]["plan"] == "zeropp" and report["config"]["mesh"] == {"node": 2, "gpu": 4}
+  assert report["config"]["wire_formats"] == {"gather": "int8", "grad_hops": ["int4", "int4"]}
   assert set(report["table1"]) == {*analysis.TABLE1_ROLES, "total"}
   assert report["table1"]["backward all-gather"]["node_egress_bytes"] == 0
   roles = {c["role"] for c in report["collectives"]}

@@ -107,8 +107,9 @@ def main(argv=None) -> None:
                       "phase": phase,
                       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "param_dtype": ex.plan.gather.param_dtype,
                       "reduce_dtype": ex.plan.reduction.reduce_dtype, "remat": ex.components.remat,
-                      "gradient_reduction": ("qgz" if ex.plan.reduction.grad_bits else "all_to_all"
+                      "gradient_reduction": ("qgz" if ex.plan.reduction.quantized else "all_to_all"
                                              if ex.plan.reduction.gradient_all_to_all else "reduce_scatter"),
+                      "wire_formats": _wire_formats(ex.plan),
                       "accum_steps": ex.accum_steps,
                       "batch_size": train_args["batch_size"], "seq_len": cfg.seq_len}}
     out.update(step_report(ex, step_collectives(ex, hlo_text=text)))
@@ -118,6 +119,13 @@ def main(argv=None) -> None:
       return
   json.dump(out, sys.stdout, indent=2)
   sys.stdout.write("\n")
+
+
+def _wire_formats(plan) -> dict:
+  """The plan's wire formats by name (`comm.formats`): the forward gather's and qgZ's per hop."""
+  hops = plan.reduction.hop_formats
+  return {"gather": plan.gather.wire_format.name if plan.gather.wire_format else None,
+          "grad_hops": [f.name for f in hops] if hops else None}
 
 
 if __name__ == "__main__":
