@@ -247,12 +247,7 @@ class Reduction:
   @property
   def hop_formats(self) -> tuple[formats.WireFormat, formats.WireFormat] | None:
     """qgZ's wire format per hop, (intra-node, inter-node); None without qgZ."""
-    if self.grad_format:
-      return (formats.of(self.grad_format, self.grad_block),) * 2
-    if self.grad_bits is None:
-      return None
-    bits = self.grad_bits if isinstance(self.grad_bits, tuple) else (self.grad_bits,) * 2
-    return tuple(formats.integer(b, self.grad_block) for b in bits)
+    return formats.hops(self.grad_bits, self.grad_format, self.grad_block)
 
   @property
   def quantized(self) -> bool:

@@ -24,8 +24,9 @@ References:
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
-import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import jax
@@ -36,7 +37,7 @@ from zerojax.comm.wire import pack_wire, unpack_wire
 
 
 @dataclasses.dataclass(frozen=True)
-class WireFormat:
+class WireFormat(abc.ABC):
   """A block format on the wire: value codes and one fp32 scale per `block` elements (0: one scale for
   the whole buffer, resolved by `for_length`).
 
@@ -50,23 +51,23 @@ class WireFormat:
 
   # -- what a format defines ------------------------------------------------------------------------
   @property
+  @abc.abstractmethod
   def value_dtype(self):
     """The dtype of the stored value codes (what `unpack` returns)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def value_len(self, elements: int) -> int:
     """Stored value entries for `elements` codes."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def quantize(self, x: jax.Array, *, rotate: bool = False, noise: jax.Array | None = None,
                backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Flat `x` (a multiple of `block`) -> (values [value_len(n)], scales [n / block])."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def dequantize(self, values: jax.Array, scales: jax.Array, *, dtype=jnp.float32, rotate: bool = False,
                  backend: str | None = None) -> jax.Array:
     """Inverse of `quantize` over any leading axes, flattened: `[elements of all of them]` in `dtype`."""
-    raise NotImplementedError
 
   # -- derived ---------------------------------------------------------------------------------------
   @property
@@ -84,15 +85,9 @@ class WireFormat:
     """Elements a device's chunk is a multiple of: blocks never cross an owner's chunk."""
     return self.block or 2
 
-  def wire_bytes(self, elements: int) -> int:
-    """Bytes on the wire for `elements` values: codes and scales."""
-    blocks = 1 if not self.block else math.ceil(elements / self.block)
-    return self.value_len(elements) * jnp.dtype(self.value_dtype).itemsize + self.scale_bytes * blocks
-
-  def bytes_per_element(self, block: int | None = None) -> float:
+  def bytes_per_element(self) -> float:
     """Wire bytes per element (the cost model's): codes plus each block's share of its scale."""
-    block = block or self.block
-    return self.bits / 8 + (self.scale_bytes / block if block else 0.0)
+    return self.bits / 8 + (self.scale_bytes / self.block if self.block else 0.0)
 
   def for_length(self, elements: int) -> WireFormat:
     """This format with a block of `elements` when `block` is 0 (one scale per buffer)."""
@@ -209,7 +204,7 @@ class BlockFloat8(WireFormat):
     return q.dequantize_float8(values, scales, self.block, dtype).reshape(-1)
 
 
-FORMATS: dict[str, type[WireFormat] | callable] = {
+FORMATS: dict[str, Callable[[int], WireFormat]] = {
     "int8": lambda block: BlockInt(block, 8),
     "int4": lambda block: BlockInt(block, 4),
     "float8_e4m3fn": BlockFloat8,
@@ -226,3 +221,15 @@ def of(name: str, block: int) -> WireFormat:
 def integer(bits: int | None, block: int) -> WireFormat | None:
   """qwZ's / qgZ's integer format of `bits` (None: none)."""
   return None if bits is None else of(f"int{bits}", block)
+
+
+def hops(grad_bits: int | tuple[int, int] | None, grad_format: str | None,
+         block: int) -> tuple[WireFormat, WireFormat] | None:
+  """qgZ's wire format per hop, (intra-node, inter-node), from a plan's `grad_bits` (one for both hops,
+  or a pair) or `grad_format`; None without qgZ."""
+  if grad_format:
+    return (of(grad_format, block),) * 2
+  if grad_bits is None:
+    return None
+  bits = tuple(grad_bits) if isinstance(grad_bits, (tuple, list)) else (grad_bits,) * 2
+  return tuple(integer(b, block) for b in bits)

@@ -149,11 +149,8 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
 
 
 def hop_formats(f: dict) -> list[formats.WireFormat]:
-  """qgZ's distinct wire formats of the plan settings `f`, intra-node hop first (`Reduction.hop_formats`)."""
-  if f.get("grad_format"):
-    return [formats.of(f["grad_format"], f["grad_block"])]
-  bits = f["grad_bits"] if isinstance(f["grad_bits"], (tuple, list)) else (f["grad_bits"],)
-  return list(dict.fromkeys(formats.integer(b, f["grad_block"]) for b in bits if b))
+  """qgZ's distinct wire formats of the plan settings `f`, intra-node hop first (`formats.hops`)."""
+  return list(dict.fromkeys(formats.hops(f["grad_bits"], f.get("grad_format"), f["grad_block"]) or ()))
 
 
 def degrees(nodes: int, gpus: int) -> list[int]:
@@ -200,20 +197,12 @@ class Point:
   @property
   def hop_formats(self) -> tuple[formats.WireFormat, formats.WireFormat] | None:
     """qgZ's wire format per hop, (intra-node, inter-node); None without qgZ."""
-    if self.grad_format:
-      return (formats.of(self.grad_format, BLOCK),) * 2
-    return None if self.hop_bits is None else tuple(formats.integer(b, BLOCK) for b in self.hop_bits)
+    return formats.hops(self.grad_bits, self.grad_format, BLOCK)
 
   @property
   def lossy(self) -> bool:
     """int4 weights or Radius: allowed only with `auto.lossy = True`."""
     return self.weight_bits == 4 or self.radius
-
-  @property
-  def hop_bits(self) -> tuple[int, int] | None:
-    if self.grad_bits is None:
-      return None
-    return tuple(self.grad_bits) if isinstance(self.grad_bits, tuple) else (self.grad_bits,) * 2
 
   def meshes(self, gpus: int) -> tuple[tuple[int, int], ...]:
     """((s_p^0, s_p^1), (s_g^0, s_g^1), (s_os^0, s_os^1))."""
