@@ -8,7 +8,8 @@ docs/DESIGN.md, "Components". `compile(plan, mesh)` turns a resolved `Plan`'s va
 - `BoundarySync`: the accumulated gradient's sync at the end of the window (reduce-scatter over
   A_os \\ A_g, all-reduce over the replicas, or the same all-reduce inside the last backward) —
   `Plan.sync` (a stateful component may replace its all-reduce: `zerojax.stateful`);
-- the schedule: the remat mode and whether scanned units prefetch — `Plan.schedule`.
+- the schedule: the remat mode and whether scanned units prefetch — `Plan.schedule`;
+- `HostOffload`: which train-state fields live in host memory — `Sharding.offload` (`zerojax.offload`).
 The unit (`zerojax.unit`), its prefetch call order and the step body call these; none reads the plan.
 Components are the same for every unit: a unit binds them to its leaves in its `UnitMeta`.
 
@@ -36,6 +37,7 @@ from jax.sharding import Mesh
 from zerojax import comm, gpu_aot, kernel_choice, mesh as mesh_lib
 from zerojax.layout import LeafLayout, pad_flat, unflatten_leaf
 from zerojax.mesh import axis_sizes, group_size, owner_index
+from zerojax.offload import HostOffload
 from zerojax.plan import Plan
 
 ERROR_STATE = "grad_error"  # the train-state field of qgZ's error feedback buffers (`fidelity.ErrorFeedback`)
@@ -268,6 +270,8 @@ class Components:
       gather moves nothing: there is nothing to fetch ahead).
     data_axes: the mesh's axes of size > 1, over which the step averages its loss, metrics and mutable
       collections (`mean`).
+    offload: which train-state fields live in host memory (`zerojax.offload.HostOffload`, from
+      `Sharding.offload`).
   """
   gather: ParamGather
   reduction: GradReduction
@@ -275,6 +279,7 @@ class Components:
   remat: str
   prefetch: bool
   data_axes: tuple[str, ...] = ()
+  offload: HostOffload = HostOffload()
 
   def mean(self, x):
     """`x` averaged over the data-parallel devices (`lax.pmean` over `data_axes`; `x` itself on one)."""
@@ -314,4 +319,4 @@ def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's com
   # `Plan` refuses sync_in_backward where A_os is finer than A_g (`to_opt` is then empty).
   sync = BoundarySync(to_opt, replicas, in_backward=bool(plan.sync.sync_in_backward and replicas))
   return Components(gather, reduction, sync, plan.remat_mode, bool(plan.schedule.prefetch) and gather.moves,
-                    data_axes=moving(mesh.axis_names))
+                    data_axes=moving(mesh.axis_names), offload=HostOffload.of(plan, mesh))

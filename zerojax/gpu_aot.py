@@ -115,4 +115,9 @@ def memory(compiled) -> dict:
   m = compiled.memory_analysis()
   out = {k: int(getattr(m, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
   out["peak"] = int(getattr(m, "peak_memory_in_bytes", 0)) or out["argument"] + out["output"] - out["alias"] + out["temp"]
+  # Host memory (offloaded state, `Sharding.offload`): XLA counts its arguments, outputs and temporaries
+  # apart from the device's, but its peak counts the host arguments too. The device's peak is at most
+  # that peak and at most its arguments + outputs - aliased + temporaries; `device_peak` is the smaller.
+  out["host"] = {k: int(getattr(m, f"host_{k}_size_in_bytes", 0)) for k in ("argument", "output", "alias", "temp")}
+  out["device_peak"] = min(out["peak"], out["argument"] + out["output"] - out["alias"] + out["temp"])
   return out

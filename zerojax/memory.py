@@ -13,11 +13,13 @@ import numpy as np
 from zerojax import layout as layout_lib
 from zerojax.executor import Executor
 from zerojax.mesh import group_size
+from zerojax.offload import HOST, sharding_kind
 from zerojax.train_state import STATEFUL, TrainState
 
 
 def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
-  """Bytes per device of parameters, gradients and optimizer states (master weights included).
+  """Bytes per device of parameters, gradients and optimizer states (master weights included); `host`
+  of them in host memory (`Sharding.offload`), `device` the rest.
 
   Args:
     ex: the executor (plan, mesh, layout).
@@ -49,12 +51,20 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
     expected[kind.name] = 0 if c is None else c.memory_bytes()
   expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer", "hpz_secondary",
                                                 *(kind.name for kind in STATEFUL)))
+  # Host offload (`Sharding.offload`): the offloaded fields' bytes are in host memory, not the device's.
+  offload = ex.components.offload
+  expected["host"] = (expected["master"] if offload.host("params") else 0) + (
+      expected["optimizer"] if offload.host("opt_state") else 0)
+  expected["device"] = expected["total"] - expected["host"]
   report = {"plan": plan.name, "expected": expected}
   if state is not None:
     dev = ex.mesh.devices.flat[0]
     on_dev = lambda tree: sum(sh.data.nbytes for x in jax.tree.leaves(tree) if x.ndim
                               for sh in x.addressable_shards if sh.device == dev)
     report["measured"] = {"master": on_dev(state.params), "optimizer": on_dev(state.opt_state)}
+    in_host = lambda tree: sum(sh.data.nbytes for x in jax.tree.leaves(tree) if x.ndim and sharding_kind(x.sharding) == HOST
+                               for sh in x.addressable_shards if sh.device == dev)
+    report["measured"]["host"] = in_host(state.params) + in_host(state.opt_state)
     for name in ex.stateful:
       report["measured"][name] = on_dev(getattr(state, name))
   return report

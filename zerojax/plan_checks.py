@@ -49,3 +49,19 @@ def kernel_backend(value: str | None) -> None:
 def rotatable(block: int, field: str) -> None:
   if block < 2 or block & (block - 1):
     raise ValueError(f"rotate=True needs a power-of-two {field}, got {block}; use e.g. 256")
+
+
+OFFLOADABLE = ("opt_state", "master")  # the train-state fields `Sharding.offload` may put in host memory
+
+
+def offload(value) -> tuple[str, ...]:
+  """`Sharding.offload` as a tuple in `OFFLOADABLE`'s order; a string or an unknown name is refused."""
+  if value is None:
+    return ()
+  if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+    raise ValueError(f"offload={value!r} must be a tuple of field names, e.g. ('opt_state',) or "
+                     "('opt_state', 'master')")
+  unknown = [v for v in value if v not in OFFLOADABLE]
+  if unknown:
+    raise ValueError(f"offload names {unknown[0]!r}; use a tuple of {OFFLOADABLE} (() for none)")
+  return tuple(f for f in OFFLOADABLE if f in value)

@@ -44,15 +44,20 @@ class Sharding:
     pad_multiple: every leaf is zero-padded to a multiple of (devices x lcm(pad_multiple, the blocks the
       quantizing values need)), `Plan.alignment`: a multiple wanted on top of the blocks, e.g. one
       layout of the shards for every plan of a run (`train.pad_multiple`, 256).
+    offload: the train-state fields that live in host memory (ZeRO-Offload, Ren et al. 2021, §4):
+      `()` (none), `("opt_state",)` (the optimizer states), `("opt_state", "master")` (and the fp32
+      master weights). The step moves them to the device for its update and back (`zerojax.offload`).
   """
   param_axes: Axes = AXES
   grad_axes: Axes = AXES
   opt_axes: Axes = AXES
   pad_multiple: int = 1
+  offload: tuple[str, ...] = ()
 
   def __post_init__(self):
     if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
       raise ValueError(f"pad_multiple={self.pad_multiple!r} must be a whole number >= 1 (e.g. 256)")
+    object.__setattr__(self, "offload", checks.offload(self.offload))
     for f in ("param_axes", "grad_axes", "opt_axes"):
       object.__setattr__(self, f, checks.axes(getattr(self, f)))
       axes = getattr(self, f)

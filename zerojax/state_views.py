@@ -29,6 +29,9 @@ class StateViews:
     opt_order = self.plan.sharding.opt_order or None
     by_ndim = {1: NamedSharding(self.mesh, P(opt_order)), 2: NamedSharding(self.mesh, P(None, opt_order))}
     opt = jax.tree.map(lambda x: rep if x.ndim == 0 else by_ndim[x.ndim], state_shapes.opt_state)
+    offload = self.components.offload  # the fields in host memory (`Sharding.offload`)
+    params = offload.place("params", params, state_shapes.params)
+    opt = offload.place("opt_state", opt, state_shapes.opt_state)
     return TrainState(step=rep, params=params, opt_state=opt, skipped=rep,
                       rng=jax.tree.map(lambda _: rep, state_shapes.rng),
                       mutable=jax.tree.map(lambda _: rep, state_shapes.mutable),

@@ -132,6 +132,9 @@ class StepMixin:
                          "its own unit")
 
   def _train_step(self, state: TrainState, batch, phase: str = "dense"):
+    offload = self.components.offload  # offloaded fields come to the device where read, then go back
+    host = state
+    state = state.replace(params=offload.fetch("params", host.params))  # for step 0's gathers
     data = P(None, self.data_axes)
     body_in = {n: c.body_in(getattr(state, n), phase) for n, c in self.stateful.items()}
     out_specs = {n: c.body_out_specs(phase) for n, c in self.stateful.items()}
@@ -140,6 +143,9 @@ class StepMixin:
         in_specs=(self.param_specs, data, P(), P(), P(), {n: s for n, (_, s) in body_in.items()}),
         out_specs=(self.param_specs, P(), P(), P(), out_specs), check_vma=False)(
             state.params, batch, state.step, state.rng, state.mutable, {n: v for n, (v, _) in body_in.items()})
+    # The update's states reach the device once the backward is done (`HostOffload.fetch`'s `after`).
+    state = state.replace(params=offload.fetch("params", host.params, after=grads),
+                          opt_state=offload.fetch("opt_state", host.opt_state, after=grads))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -150,6 +156,7 @@ class StepMixin:
                         mutable=keep(finite, mutable, state.mutable),
                         **{n: c.update(getattr(state, n), out[n], updates, state.step, finite, phase)
                            for n, c in self.stateful.items()})
+    new = new.replace(params=offload.store("params", new.params), opt_state=offload.store("opt_state", new.opt_state))
     return new, StepMetrics(loss, grad_norm, finite, aux)
 
   def step_fn(self, state_shardings: TrainState | None = None):
@@ -233,8 +240,10 @@ class StepMixin:
       if not self.model.has_aux:
         return loss
       return loss, jax.tree.map(lambda a: self.components.mean(_inexact(a)), aux)
-    run = jax.jit(jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(self.data_axes), P()),
-                                out_specs=P(), check_vma=False))
+    body = jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(self.data_axes), P()),
+                         out_specs=P(), check_vma=False)
+    offload = self.components.offload
+    run = jax.jit(lambda params, batch, mutable: body(offload.fetch("params", params), batch, mutable))
     return lambda params, batch, mutable=None: run(params, batch, mutable)
 
 

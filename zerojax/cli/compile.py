@@ -5,8 +5,8 @@ Builds the gin config's executor on `--mesh` NODESxGPUS compile-only GPUs of `--
 with the options a GPU run uses (nothing runs), and prints per collective: op, dtype, role, async or not,
 inside a layer loop or not, the matmuls and kernels scheduled between its start and done
 (`zerojax.analysis.schedule`); the layer loops' overlap per role; the kernels compiled; the most gathered
-weights alive at once; and the compiled per-device memory (arguments, outputs, temporaries, peak) beside
-`zerojax.memory.memory_report`'s model-state bytes. `--json` prints it all as JSON, `--dump_hlo FILE`
+weights alive at once; and the compiled per-device memory (arguments, outputs, temporaries, peak; and
+in host memory, with `offload`) beside `zerojax.memory.memory_report`'s model-state bytes. `--json` prints it all as JSON, `--dump_hlo FILE`
 writes the scheduled GPU program.
 """
 from __future__ import annotations
@@ -78,8 +78,11 @@ def render(rep: dict) -> str:
   lines.append("kernels: " + ", ".join(f"{k} {v}" for k, v in rep["kernels"].items()))
   m, model = rep["memory"], rep["memory_report"]
   lines.append(f"memory per device (GB): arguments {m['argument'] / GB:.3f}, outputs {m['output'] / GB:.3f} "
-               f"(aliased {m['alias'] / GB:.3f}), temporaries {m['temp'] / GB:.3f}, peak {m['peak'] / GB:.3f}; "
-               f"memory_report model states {model['total'] / GB:.3f}")
+               f"(aliased {m['alias'] / GB:.3f}), temporaries {m['temp'] / GB:.3f}, peak {m['device_peak'] / GB:.3f}; "
+               f"memory_report model states {model['device'] / GB:.3f}")
+  if m["host"]["argument"] or model["host"]:  # offloaded state (`Sharding.offload`)
+    lines.append(f"host memory per device (GB): arguments {m['host']['argument'] / GB:.3f}, temporaries "
+                 f"{m['host']['temp'] / GB:.3f}; memory_report offloaded states {model['host'] / GB:.3f}")
   return "\n".join(lines)
 
 
