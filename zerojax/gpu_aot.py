@@ -116,8 +116,15 @@ def memory(compiled) -> dict:
   out = {k: int(getattr(m, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
   out["peak"] = int(getattr(m, "peak_memory_in_bytes", 0)) or out["argument"] + out["output"] - out["alias"] + out["temp"]
   # Host memory (offloaded state, `Sharding.offload`): XLA counts its arguments, outputs and temporaries
-  # apart from the device's, but its peak counts the host arguments too. The device's peak is at most
-  # that peak and at most its arguments + outputs - aliased + temporaries; `device_peak` is the smaller.
-  out["host"] = {k: int(getattr(m, f"host_{k}_size_in_bytes", 0)) for k in ("argument", "output", "alias", "temp")}
-  out["device_peak"] = min(out["peak"], out["argument"] + out["output"] - out["alias"] + out["temp"])
+  # apart from the device's, but its peak (a simulation of every buffer's live range) counts the host
+  # buffers too: with the same step's state offloaded it is unchanged. Arguments live through the whole
+  # program, so the device's peak is at most that peak less the host arguments (and less the host
+  # outputs that are not aliased to them, with no host temporaries); it is also at most the device's
+  # arguments + outputs - aliased + temporaries. `device_peak` is the smaller bound.
+  h = {k: int(getattr(m, f"host_{k}_size_in_bytes", 0)) for k in ("argument", "output", "alias", "temp")}
+  out["host"] = h
+  bounds = [out["argument"] + out["output"] - out["alias"] + out["temp"]]
+  if not h["temp"]:
+    bounds.append(out["peak"] - h["argument"] - (h["output"] - h["alias"]))
+  out["device_peak"] = min(out["peak"], *bounds)
   return out
