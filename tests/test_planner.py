@@ -11,6 +11,7 @@ import zerojax
 from zerojax import planner
 from zerojax.memory import memory_report
 from zerojax.planner import cost
+from zerojax.planner.solve import point_of
 from tests import helpers
 
 
@@ -92,8 +93,26 @@ def test_solver_follows_the_profile_and_the_cap():
   capped = planner.rank(2, 4, work, synthetic_profile(2, 4, inter=1e-6), memory_cap_bytes=cap)
   pick = planner.choose(capped, cap)
   assert pick["bytes_per_device"] <= cap and pick is [r for r in capped if r["fits"]][0]
-  with pytest.raises(planner.PlanError, match=r"no plan fits .* the smallest, zero3, needs"):
+  with pytest.raises(planner.PlanError, match=r"no plan fits .* the smallest, zero3\+offload, needs"):
     planner.choose(planner.rank(2, 4, work, synthetic_profile(2, 4), memory_cap_bytes=1.0), 1.0)
+
+
+def test_offload_counts_device_bytes_against_the_cap_and_pays_the_host_link():
+  """Under a cap, each plan over it is ranked again with its master weights and optimizer states in host
+  memory: the device's bytes drop by exactly them, the step pays 2 x their bytes over the host link."""
+  work = cost.Workload(units=((4096, 1), (65536, 4), (4096, 1)), accum=1, compute_s=0.1, activation_bytes=10**6,
+                       host_link_bytes_per_s=1e9)
+  plain = {r["plan"]: r for r in planner.rank(2, 4, work, synthetic_profile(2, 4))}
+  assert not any(r["offload"] for r in plain.values())  # no cap: no offload rows
+  cap = plain["dp"]["bytes_per_device"] - 1
+  rows = planner.rank(2, 4, work, synthetic_profile(2, 4), memory_cap_bytes=cap)
+  off = {r["plan"]: r for r in rows if r["offload"]}
+  assert "dp+offload" in off and all(not r["fits"] for r in rows if r["plan"] + "+offload" in off)
+  d, o = plain["dp"], off["dp+offload"]
+  states = 12 * work.numel  # fp32 master + AdamW's two moments, unsharded under dp
+  assert d["bytes_per_device"] - o["bytes_per_device"] == o["host_bytes_per_device"] == states
+  assert o["T_step"] - d["T_step"] == pytest.approx(2 * states / 1e9)
+  assert o["fits"] and point_of(o).plan(2, 4).sharding.offload == ("opt_state", "master")
 
 
 def test_cost_terms_follow_amsp_formulas():

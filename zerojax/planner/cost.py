@@ -55,8 +55,9 @@ def group_key(k: int, stride: int) -> str:
 class Workload:
   """What the cost model needs of a model and a run: unit sizes (elements per call, calls per micro-step),
   micro-batches per step, bytes of a parameter on the wire and of a reduced gradient, optimizer bytes
-  per parameter, compute seconds per step of DP, activation/temporary bytes per device, and seconds per
-  element of a quantize + dequantize (qwZ/qgZ's kernels, `planner.compute.quant_rate`).
+  per parameter, compute seconds per step of DP, activation/temporary bytes per device, seconds per
+  element of a quantize + dequantize (qwZ/qgZ's kernels, `planner.compute.quant_rate`), and the bytes per
+  second each device moves to and from host memory (PCIe 5 x16: about 50 GB/s; offload's cost).
 
   Nothing here needs the model built: `Workload.transformer` describes one from its shape alone."""
   units: tuple[tuple[int, int], ...]
@@ -67,6 +68,7 @@ class Workload:
   activation_bytes: int = 0
   grad_bytes: int = 4
   quant_s_per_element: float = 0.0
+  host_link_bytes_per_s: float = 50e9
 
   @classmethod
   def transformer(cls, *, layers: int, d_model: int, d_ff: int, vocab: int, accum: int, **kw) -> Workload:
@@ -201,7 +203,7 @@ def step_time(compute_s: float, comm_s: float, overlap: str = "none") -> float:
 def model_state_bytes(point: Point, work: Workload, gpus: int) -> dict:
   """Per-device bytes of parameters, gradients, master weights + optimizer states (AMSP §IV-D), hpZ's
   secondary shard and Radius's residual (each replica's unsent gradient, fp32, sharded like the
-  parameters)."""
+  parameters); `host` of them in host memory (`Point.offload`), `total` the device's with activations."""
   phi = work.numel
   out = {"params": work.param_bytes * phi // point.s_p,
          "grads": (2 if point.reduce16 else work.grad_bytes) * phi // point.s_g,
@@ -209,5 +211,16 @@ def model_state_bytes(point: Point, work: Workload, gpus: int) -> dict:
          "hpz_secondary": work.param_bytes * phi // gpus if point.hpz and point.s_p > gpus else 0,
          "radius_residual": 4 * phi // point.s_p if point.radius else 0}
   out["model_state"] = sum(out.values())
-  out["total"] = out["model_state"] + work.activation_bytes
+  # Offload (`Sharding.offload`): master weights and optimizer states in host memory; the cap counts the
+  # device's bytes only.
+  out["host"] = out["optimizer"] if point.offload else 0
+  out["total"] = out["model_state"] - out["host"] + work.activation_bytes
   return out
+
+
+def offload_time(point: Point, work: Workload) -> float:
+  """Seconds per step moving the offloaded states to the device and back (`zerojax.offload`: after the
+  backward, not overlapped with it)."""
+  if not point.offload:
+    return 0.0
+  return 2 * (4 + work.opt_bytes_per_param) * work.numel / point.s_os / work.host_link_bytes_per_s

@@ -19,7 +19,7 @@ import numpy as np
 
 from zerojax import mesh as mesh_lib
 from zerojax.planner import agree, trial
-from zerojax.planner.cost import Workload, comm_time, model_state_bytes, quant_time, step_time
+from zerojax.planner.cost import Workload, comm_time, model_state_bytes, offload_time, quant_time, step_time
 from zerojax.planner.space import Point, grad_options, param_options, plan_space
 
 
@@ -52,7 +52,7 @@ def workload(executor, compute_s: float = 0.0, activation_bytes: int = 0) -> Wor
                   np.dtype(executor.plan.reduction.reduce_dtype).itemsize)
 
 
-TECHNIQUES = ("weight_bits", "hpz", "hierarchical", "grad_bits", "grad_format", "reduce16", "radius")
+TECHNIQUES = ("weight_bits", "hpz", "hierarchical", "grad_bits", "grad_format", "reduce16", "radius", "offload")
 
 
 def _row(pt: Point, nodes: int, gpus: int, work: Workload, profile: dict, c: float, c0: float, act: int,
@@ -62,10 +62,13 @@ def _row(pt: Point, nodes: int, gpus: int, work: Workload, profile: dict, c: flo
   q = quant_time(pt, work, gpus)
   mem = model_state_bytes(pt, dataclasses.replace(work, activation_bytes=act), gpus)
   tech = {k: getattr(pt, k) for k in TECHNIQUES}
+  t_off = offload_time(pt, work)
   return {"plan": pt.name(nodes * gpus), "s_p": pt.s_p, "s_g": pt.s_g, "s_os": pt.s_os, **tech, **times,
-          "T_quant": q, "compute_s": c, "T_step": step_time(c + q, times["T_comm"], overlap),
-          "T_step_uniform": c0 + q + full["T_comm"], "bytes_per_device": mem["total"],
-          "model_state_bytes": mem["model_state"], "fits": cap is None or mem["total"] <= cap}
+          "T_quant": q, "T_offload": t_off, "compute_s": c,
+          "T_step": step_time(c + q, times["T_comm"], overlap) + t_off,
+          "T_step_uniform": c0 + q + full["T_comm"] + t_off, "bytes_per_device": mem["total"],
+          "host_bytes_per_device": mem["host"], "model_state_bytes": mem["model_state"],
+          "fits": cap is None or mem["total"] <= cap}
 
 
 def pareto(rows: list[dict]) -> list[dict]:
@@ -92,6 +95,10 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
   `prune` each set is cut to its Pareto front (`pareto`) before they are combined, and only the
   combinations' front is ranked: what is left out is slower and no smaller than a row that is kept.
 
+  With `memory_cap_bytes`, every point over the cap is ranked a second time with its master weights and
+  optimizer states in host memory (`Point.offload`): only the device's bytes count against the cap, and
+  the step pays `cost.offload_time`.
+
   `compute` is `planner.compute.per_plan`'s table over the degree points (None: `work.compute_s` for
   every plan, AMSP as written); its `quant_s_per_element` prices qwZ/qgZ's kernels. Each row also holds
   `T_step_uniform`, the step predicted with DP's compute for every plan, to compare. The points in `keep`
@@ -109,6 +116,8 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
     row = lambda pt: _row(pt, nodes, gpus, work, profile, c, c0, act, uniform, overlap, memory_cap_bytes)
     if not techniques:
       rows.append(row(base))
+      if memory_cap_bytes is not None and not rows[-1]["fits"]:
+        rows.append(row(dataclasses.replace(base, offload=True)))
       continue
     params = [dataclasses.replace(base, **o) for o in param_options(base, gpus, lossy)]
     grads = [dataclasses.replace(base, **o) for o in grad_options(base, world, gpus, lossy)]
@@ -119,7 +128,10 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
     combos = [row(dataclasses.replace(p, **{k: getattr(g, k) for k in grad_fields})) for p in params for g in grads]
     kept = pareto(combos) if prune else combos
     have = {point_of(r) for r in kept}
-    rows += kept + [row(pt) for pt in keep if pt.base == base and pt not in have]
+    kept += [row(pt) for pt in keep if pt.base == base and pt not in have]
+    # Under a memory cap, each point over it is also ranked with its states in host memory (offload).
+    rows += kept + [row(dataclasses.replace(point_of(r), offload=True)) for r in kept
+                    if memory_cap_bytes is not None and not r["fits"]]
   return sorted(rows, key=lambda r: (r["T_step"], r["bytes_per_device"], r["plan"]))
 
 

@@ -50,6 +50,7 @@ from zerojax.plan import Plan, radius
 from zerojax.plan_values import Reduction
 
 BLOCK = 256  # elements per qwZ/qgZ quantization block (the Plan defaults)
+OFFLOAD = ("opt_state", "master")  # what a point with `offload` keeps in host memory (`Sharding.offload`)
 DEFAULTS = Plan().settings()  # a point's plan settings besides its own fields (`Point.suffix`)
 # ZeRO's stages (ZeRO §5), by whether params, grads and optimizer states are each sharded over every
 # device (True) or over none (False).
@@ -115,6 +116,7 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
     qgZ(int8/int4,...)   ZeRO++ §3.3's quantized reduction: each hop's wire format (int8, int4, fp8), the
                          block, "rot", "ef" (LoCo §3's error feedback), "sr" (stochastic rounding)
     grads(bfloat16,...)  `reduce_dtype` other than float32, and `reduce_via` where it overrides "auto"
+    offload(opt_state,master)  the fields kept in host memory (ZeRO-Offload §4; `Sharding.offload`)
     radius(d=,T=,dense=)  Radius §4's (Algorithm 1) sparse replica sync: density, period, dense steps
   """
   out = []
@@ -141,6 +143,8 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
   if dtype != "float32" or moved:
     out.append((f"grads({','.join([dtype] + [via] * moved)})",
                 SHORT_DTYPES.get(dtype, dtype) + "grad" + f"-{via}" * moved))
+  if f["offload"]:
+    out.append((f"offload({','.join(f['offload'])})", "offload"))
   r = f["replica_sync"]
   if r is not None:
     dense = f",dense={r.dense_steps}" if r.dense_steps else ""
@@ -167,7 +171,8 @@ class Point:
   Techniques: `weight_bits` qwZ (None, 8, 4); `hpz` hpZ's in-node secondary shard; `hierarchical` the
   MiCS gather for a parameter group that spans nodes (False: flat); `grad_bits` qgZ (None, 8, 4, or
   (intra, inter) per hop), or `grad_format` qgZ's hops in a named wire format ("float8_e4m3fn");
-  `reduce16` 16-bit gradient reduction; `radius` Radius's replica sync."""
+  `reduce16` 16-bit gradient reduction; `radius` Radius's replica sync; `offload` the master weights and
+  optimizer states in host memory (`Sharding.offload`: device memory for host-link time)."""
   s_p: int
   s_g: int
   s_os: int
@@ -179,6 +184,7 @@ class Point:
   radius: bool = False
   intra: tuple[int, int, int] | None = None
   grad_format: str | None = None
+  offload: bool = False
 
   @property
   def base(self) -> Point:
@@ -235,6 +241,8 @@ class Point:
       kw["reduce_dtype"] = "bfloat16"
     if self.radius:
       kw["replica_sync"] = radius()
+    if self.offload:
+      kw["offload"] = OFFLOAD
     return kw
 
   def plan(self, nodes: int, gpus: int, **fields) -> Plan:
