@@ -9,6 +9,10 @@ Needs jax's CUDA plugin (`pip install -e '.[gpu-aot]'`); nothing runs on a GPU (
       memory_report, compile time; --dump_hlo writes each scheduled program to DIR/<config>.hlo.
   python benchmarks/bench_gpu_compile.py --llama [--meshes 2x8,8x8] [--plans zero3,zeropp,mics]
       [--out benchmarks/gpu/llama7b.json]
+  python benchmarks/bench_gpu_compile.py --offload [--meshes 1x8,2x8,8x8] [--sizes 7B,13B,30B,65B]
+      the "Will it fit?" table with offload: ZeRO-3 on LLaMA-shaped GPTs, with and without
+      offload=("opt_state", "master"): device peak and host bytes per GPU from the compiled program beside
+      memory_report, and the largest shape that fits each mesh (benchmarks/gpu/offload_fit.json).
   python benchmarks/bench_gpu_compile.py --remat dots,none --plans zero3,zeropp
       each plan under each remat mode, prefetch off and on, on tests/test_gpu_compile.py's small GPT:
       layer-loop collectives with a matmul between start and done, gathered bytes alive in the layer
@@ -150,6 +154,62 @@ def llama(meshes: list, plans: list) -> dict:
           "rows": rows}
 
 
+# LLaMA shapes (Touvron et al. 2023, Table 2): layers, d_model, heads. The MLP is GELU of width 4 d_model
+# (8 d^2 per layer, as SwiGLU's three matrices of width ~8/3 d_model).
+LLAMA_SIZES = {"7B": (32, 4096, 32), "13B": (40, 5120, 40), "30B": (60, 6656, 52), "65B": (80, 8192, 64)}
+
+
+def llama_shape(size: str) -> list:
+  layers, d, heads = LLAMA_SIZES[size]
+  return [p for p in LLAMA if not p.startswith(("model_config.d_model", "model_config.num_heads",
+                                                 "model_config.num_layers"))] + [
+      f"model_config.d_model={d}", f"model_config.num_heads={heads}", f"model_config.num_layers={layers}"]
+
+
+def offload_table(meshes: list, sizes: list, plan: str = "zero3") -> dict:
+  """The "Will it fit?" table with offload: per LLaMA shape and mesh, the compiled step's device peak and
+  host bytes per GPU with and without `offload=("opt_state", "master")`, beside `memory_report`."""
+  rows = []
+  for mesh in meshes:
+    nodes, gpus = (int(v) for v in mesh.split("x"))
+    for size in sizes:
+      for offload in ((), ("opt_state", "master")):
+        params = llama_shape(size) + [f"{plan}.offload={offload!r}"]
+        try:
+          ex, prog, seconds, batch = compile_config(PLANS[plan], params, nodes, gpus, batch=nodes * gpus)
+        except Exception as e:  # noqa: BLE001  (a benchmark records what failed and goes on)
+          rows.append({"plan": plan, "size": size, "mesh": mesh, "offload": list(offload),
+                       "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+          continue
+        mem = gpu_aot.memory(prog)
+        model = compile_cli.memory_report(ex)["expected"]
+        acc = step_report(ex, collectives_from_hlo(prog.as_text(), ex.mesh))
+        row = {"plan": plan, "size": size, "mesh": mesh, "offload": list(offload),
+               "parameters": acc["model_parameters"], "compile_s": round(seconds, 1),
+               "device_peak_GB": round(mem["device_peak"] / 1e9, 2), "xla_peak_GB": round(mem["peak"] / 1e9, 2),
+               "host_GB": round(mem["host"]["argument"] / 1e9, 2),
+               "memory_report_device_GB": round(model["device"] / 1e9, 2),
+               "memory_report_host_GB": round(model["host"] / 1e9, 2),
+               "fits_80GB": mem["device_peak"] <= H100_BYTES, "compiled_memory": mem}
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("size", "mesh", "offload", "device_peak_GB", "host_GB", "fits_80GB",
+                                              "compile_s")}), file=sys.stderr, flush=True)
+  largest = {}
+  for mesh in meshes:
+    for offload in ("none", "opt_state,master"):
+      fit = [r for r in rows if r["mesh"] == mesh and ",".join(r["offload"]) in (offload, "" if offload == "none" else offload)
+             and r.get("fits_80GB")]
+      largest[f"{mesh} offload={offload}"] = max(fit, key=lambda r: r["parameters"])["size"] if fit else None
+  return {"device": "NVIDIA H100 80GB HBM3 (compile-only)", "jax": jax.__version__, "plan": plan,
+          "model": "LLaMA-shaped GPTs (layers, d_model, heads of LLaMA 7B/13B/33B/65B; GELU MLP of width 4 "
+                   "d_model; vocab 32000, seq 4096), bf16 compute and wire, fp32 master weights and AdamW "
+                   "states, remat full, one sequence per device",
+          "notes": ["device_peak: zerojax.gpu_aot.memory's bound on the device's peak (XLA's peak counts host "
+                    "buffers too)", "host_GB: host arguments per GPU (the offloaded master weights and optimizer "
+                    "states)", "compile_s: a shared 2-core CPU machine (noisy)"],
+          "largest_that_fits": largest, "rows": rows}
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--llama", action="store_true", help="the LLaMA-7B-shaped table instead of the shipped configs")
@@ -157,12 +217,18 @@ def main():
   ap.add_argument("--plans", default="zero3,zeropp,mics")
   ap.add_argument("--remat", default=None, help="e.g. dots,none: --plans under these remat modes, prefetch "
                   "off and on (benchmarks/gpu/remat_prefetch.json)")
+  ap.add_argument("--offload", action="store_true", help="the Will-it-fit table with and without offload "
+                  "(LLaMA 7B-65B shapes; benchmarks/gpu/offload_fit.json)")
+  ap.add_argument("--sizes", default="7B,13B,30B,65B")
   ap.add_argument("--out", default=None)
   ap.add_argument("--dump_hlo", default=None, help="shipped configs: write each scheduled program to DIR/<config>.hlo")
   args = ap.parse_args()
   if args.remat:
     result = remat_prefetch([p for p in args.plans.split(",") if p in PLANS], args.remat.split(","))
     out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "remat_prefetch.json")
+  elif args.offload:
+    result = offload_table(args.meshes.split(","), args.sizes.split(","))
+    out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "offload_fit.json")
   elif args.llama:
     result = llama(args.meshes.split(","), args.plans.split(","))
     out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "llama7b.json")
