@@ -127,3 +127,34 @@ def test_bench_gpu_step_records_a_failing_system_and_goes_on(step_run):
   result, _ = step_run
   assert list(result["errors"]) == ["no_such_plan"] and "KeyError" in result["errors"]["no_such_plan"]
   assert result["systems"]["no_such_plan"] == {"error": result["errors"]["no_such_plan"]}
+
+
+def test_bench_offload_reports_each_setting_against_none_with_equal_losses(tmp_path):
+  """The offload benchmark at a tiny size on the test's 8 CPU devices: every setting of each plan has a
+  step time, a ratio to the plan without offload, and the same losses; a plan that does not exist is an
+  error in its rows."""
+  bench = load("bench_offload")
+  out = tmp_path / "offload.json"
+  result = bench.main(["--plans", "zero3,no_such_plan", "--d_model", "32", "--layers", "1", "--seq", "16",
+                       "--steps", "2", "--reps", "2", "--out", str(out)])
+  assert json.loads(out.read_text()) == result and result["mesh"] == {"node": 2, "gpu": 4}
+  rows = result["rows"]
+  assert [k for k in rows if k.startswith("zero3")] == ["zero3 offload=none", "zero3 offload=opt_state",
+                                                       "zero3 offload=opt_state,master"]
+  for key in ("zero3 offload=opt_state", "zero3 offload=opt_state,master"):
+    r = rows[key]
+    assert r["losses_equal"] is True and r["ratio_to_no_offload"]["median"] > 0
+    assert r["ms_per_step"]["min"] <= r["ms_per_step"]["median"] <= r["ms_per_step"]["max"]
+  assert all("error" in r for k, r in rows.items() if k.startswith("no_such_plan"))
+
+
+def test_bench_offload_fit_sizes_a_model_over_the_device_and_trains_it_with_offload(tmp_path):
+  bench = load("bench_offload")
+  assert bench.fit_size(80e9, 128e9)[1] == ("opt_state", "master")  # an H100 on a 128 GB host
+  assert bench.fit_size(141e9, 128e9)[1] == ("opt_state",)          # an H200: the master stays on it
+  assert bench.fit_size(80e9, 10e9) is None                         # a host too small for either
+  result = bench.main(["--fit", "--device_bytes", "2e8", "--d_model", "128", "--seq", "16", "--steps", "2"])
+  n = result["model"]["parameters"]
+  assert 18 * n > 2e8 and result["offload"] == ["opt_state", "master"]
+  assert result["runs"]["with_offload"]["trained"] is True  # CPU memory is not the limit here: both train
+  assert result["runs"]["with_offload"]["losses"] == result["runs"]["without_offload"]["losses"]
