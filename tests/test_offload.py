@@ -138,3 +138,11 @@ def test_a_backend_without_host_memory_is_refused_in_one_line():
     check_supported(Mesh(), "plan 'zero3': offload=('opt_state',)")
   assert "\n" not in str(e.value)
   assert not HostOffload() and HostOffload(("opt_state",)).host("opt_state")
+
+
+def test_the_docs_example_builds_the_plans_it_names():
+  from tests.doc_sections import code_blocks
+  scope = {"zerojax": zerojax}
+  for code in code_blocks("Turning it on", "offload.md"):
+    exec(compile(code, "docs/offload.md", "exec"), scope)
+  assert scope["plan"].sharding.offload == BOTH
