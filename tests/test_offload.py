@@ -146,3 +146,36 @@ def test_the_docs_example_builds_the_plans_it_names():
   for code in code_blocks("Turning it on", "offload.md"):
     exec(compile(code, "docs/offload.md", "exec"), scope)
   assert scope["plan"].sharding.offload == BOTH
+
+
+def test_init_writes_offloaded_fields_to_host_memory_with_the_same_values():
+  mesh = zerojax.make_mesh(2, 4)
+  states = {}
+  for off in ((), BOTH):
+    ex = zerojax.Executor(helpers.tiny_gpt(), helpers.optimizer(), plans.zero3(offload=off), mesh)
+    states[off] = ex.init(jax.random.key(3))
+  assert kinds(states[BOTH].params) == kinds(states[BOTH].opt_state) == {HOST}
+  assert same(states[BOTH], states[()])
+
+
+@pytest.mark.e2e
+def test_train_py_trains_and_resumes_with_offload(tmp_path):
+  """train.py as a user runs it with `zero3.offload`: the loss of a run interrupted and resumed from its
+  checkpoint with offload switched off equals the uninterrupted offloaded run's, step for step."""
+  import json
+
+  from tests.train_helpers import train
+
+  common = ("make_optimizer.learning_rate=1e-2", "make_optimizer.warmup_steps=2", "train.checkpoint_every=3")
+  r = train(tmp_path / "a", "train.steps=6", "zero3.offload=('opt_state', 'master')", *common)
+  assert r.returncode == 0, r.stderr[-3000:]
+  summary = json.load(open(tmp_path / "a" / "summary.json"))
+  assert summary["plan"].endswith("+offload(opt_state,master)")
+  host = summary["memory_bytes_per_device"]
+  assert host["host"] == host["master"] + host["optimizer"] > 0
+  r = train(tmp_path / "b", "train.steps=3", "zero3.offload=('opt_state', 'master')", *common)
+  assert r.returncode == 0, r.stderr[-3000:]
+  r = train(tmp_path / "b", "train.steps=6", *common)  # resumed at step 3, offload off
+  assert r.returncode == 0, r.stderr[-3000:]
+  loss = lambda d: [json.loads(l)["loss"] for l in open(d / "metrics.jsonl")]
+  assert loss(tmp_path / "b") == loss(tmp_path / "a")

@@ -50,3 +50,21 @@ def test_offloaded_leaves_stay_in_host_memory_and_leave_the_device_peak(config, 
   assert mem["host"]["argument"] == host > 0 and base["host"]["argument"] == 0
   assert mem["argument"] == base["argument"] - host  # what left the device's arguments is what the host holds
   assert base["device_peak"] - mem["device_peak"] >= 0.8 * host, (base, mem, host)
+
+
+def test_init_writes_offloaded_states_to_host_memory():
+  """`Executor.init`'s last program (the optimizer's states from the master weights) writes the offloaded
+  fields to host memory as it makes them: its host outputs are `memory_report`'s host bytes."""
+  import jax
+  from jax.sharding import NamedSharding
+
+  gin.clear_config()
+  try:
+    ex, _, _ = compile_cli.gin_executor(["configs/zero3.gin"], SMALL + ["zero3.offload=('opt_state', 'master')"],
+                                        "h100", 2, 4)
+  finally:
+    gin.clear_config()
+  flat = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(ex.mesh, s)),
+                      ex.flat_shapes(), ex.param_specs)
+  prog = jax.jit(ex.init_from_flat, out_shardings=ex.shardings()).lower(flat).compile()
+  assert gpu_aot.memory(prog)["host"]["output"] == compile_cli.memory_report(ex)["expected"]["host"] > 0

@@ -48,7 +48,9 @@ class StateViews:
       rng = jax.random.key_data(jax.random.fold_in(key if rng is None else rng, 1))
     if model.init_state is not None and mutable is None:
       mutable = model.init_state(key)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=self.optimizer.init(flat),
+    offload = self.components.offload  # offloaded fields are written to host memory as they are made
+    opt_state = offload.store("opt_state", self.optimizer.init(offload.fetch("params", flat)))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=offload.store("params", flat), opt_state=opt_state,
                       skipped=jnp.zeros((), jnp.int32), rng=rng if model.rng else None,
                       mutable=mutable if model.init_state is not None else None,
                       **{n: c.init(flat) for n, c in self.stateful.items()})
@@ -64,11 +66,15 @@ class StateViews:
 
   def init_programs(self) -> dict:
     """`{unit: jitted rng -> the unit's flat master shards}`, the programs `init` runs."""
-    programs = {}
+    programs, offload = {}, self.components.offload
     for u, spec in self.param_specs.items():
-      make = lambda r, u=u: jax.tree.map(lambda x, l: layout_lib.flatten_leaf(x.astype(jnp.float32), l),
-                                         self.model.init(r)[u], self.layout.tree()[u])
-      programs[u] = jax.jit(make, out_shardings=jax.tree.map(lambda s: NamedSharding(self.mesh, s), spec))
+      make = lambda r, u=u: offload.store("params", jax.tree.map(
+          lambda x, l: layout_lib.flatten_leaf(x.astype(jnp.float32), l), self.model.init(r)[u],
+          self.layout.tree()[u]))  # offloaded master weights go to host memory unit by unit
+      shapes = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), self.layout.tree()[u],
+                            is_leaf=layout_lib.is_layout)
+      out = offload.place("params", jax.tree.map(lambda s: NamedSharding(self.mesh, s), spec), shapes)
+      programs[u] = jax.jit(make, out_shardings=out)
     return programs
 
   def init_from_params(self, params, mutable=None) -> TrainState:
