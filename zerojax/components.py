@@ -269,7 +269,7 @@ class Components:
     prefetch: whether a scanned unit run by `zerojax.scan_layers` prefetches its layers (never where the
       gather moves nothing: there is nothing to fetch ahead).
     data_axes: the mesh's axes of size > 1, over which the step averages its loss, metrics and mutable
-      collections (`mean`).
+      collections (`mean`); with DiLoCo (`outer_sync`) those inside a node only.
     offload: which train-state fields live in host memory (`zerojax.offload.HostOffload`, from
       `Sharding.offload`).
   """
@@ -316,7 +316,11 @@ def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's com
       backend=r.kernel_backend or kernels, error_feedback=r.grad_error_feedback,
       stochastic_rounding=r.stochastic_rounding, owner=plan.name)
   to_opt, replicas = moving(s.opt_order[len(s.grad_order):]), moving(s.replica_axes(mesh))
+  outer = plan.sync.outer_sync is not None  # DiLoCo: the replicas never reduce in a step (`outer_sync`)
+  if outer:
+    replicas = ()
   # `Plan` refuses sync_in_backward where A_os is finer than A_g (`to_opt` is then empty).
   sync = BoundarySync(to_opt, replicas, in_backward=bool(plan.sync.sync_in_backward and replicas))
   return Components(gather, reduction, sync, plan.remat_mode, bool(plan.schedule.prefetch) and gather.moves,
-                    data_axes=moving(mesh.axis_names), offload=HostOffload.of(plan, mesh))
+                    data_axes=tuple(a for a in moving(mesh.axis_names) if not (outer and a in s.replica_axes(mesh))),
+                    offload=HostOffload.of(plan, mesh))

@@ -95,6 +95,16 @@ class Executor(StateViews, StepMixin):
       self._metas[u] = UnitMeta(c.gather, c.reduction, c.remat, c.prefetch, sizes, treedef, tuple(leaves),
                                 scanned=u in model.scanned, prefetch_optional=prefetch_optional)
     self.stateful = stateful_components(plan, mesh, self.layout, self._metas)  # {TrainState field: component}
+    # Per-replica master weights and optimizer states (DiLoCo: one replica per node): a leading replica
+    # axis sharded over the component's `replica_axes`; the step reduces over the other axes only.
+    self.replica_axes = next((c.replica_axes for c in self.stateful.values() if c.replica_axes), ())
+    self.replicas = mesh_lib.group_size(mesh, self.replica_axes) if self.replica_axes else 0
+    self.state_param_specs = (jax.tree.map(lambda s: P(self.replica_axes, *s), self.param_specs,
+                                           is_leaf=lambda s: isinstance(s, P)) if self.replica_axes else self.param_specs)
+    if self.replica_axes and model.init_state is not None:
+      raise ValueError(f"plan {plan.name!r}: {next(c.setting for c in self.stateful.values() if c.replica_axes)} "
+                       "trains one replica per node, but the model has mutable collections (e.g. BatchNorm "
+                       "statistics) that the step averages over every device; use a model without them")
     self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
     self._step = None
     self._checked = False

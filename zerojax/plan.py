@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 from zerojax import gpu_aot, mesh as mesh_lib
 from zerojax.mesh import AXES
 from zerojax.plan_radius import Radius, radius  # noqa: F401  (re-exported: gin registers `zerojax.plan.radius`)
+from zerojax.plan_outer import Diloco, diloco  # noqa: F401  (re-exported: gin registers `zerojax.plan.diloco`)
 from zerojax.plan_values import Gather, Reduction, ReplicaSync, Schedule, Sharding
 
 VALUES = {"sharding": Sharding, "gather": Gather, "reduction": Reduction, "sync": ReplicaSync,
@@ -137,7 +138,8 @@ class Plan:
     """Leaves are padded to a multiple of (devices x alignment), the one padding decision: the
     `Sharding.pad_multiple` asked for and the quantizing values' blocks (qwZ's never cross an owner
     chunk, qgZ's never a pipeline stage)."""
-    return math.lcm(self.sharding.pad_multiple, self.gather.alignment, self.reduction.alignment)
+    return math.lcm(self.sharding.pad_multiple, self.gather.alignment, self.reduction.alignment,
+                    self.sync.alignment)
 
   def _group_fields(self) -> dict:
     s = self.sharding
@@ -209,6 +211,15 @@ class Plan:
       raise ValueError(f"plan {self.name!r}: replica_sync=radius(...) sparsifies the replica all-reduce, but "
                        f"the optimizer states are sharded over every device of the mesh {mesh_lib.axis_sizes(mesh)} "
                        "(no replicas); use it with dp, mics or a plan whose opt_axes leave replicas, or drop it")
+    outer = self.sync.outer_sync
+    if outer is not None:
+      replicas = self.sharding.replica_axes(mesh)
+      node = tuple(a for a in mesh.axis_names if mesh_lib.is_node_axis(a))
+      if set(replicas) != set(node) or not node:
+        raise ValueError(f"plan {self.name!r}: outer_sync=diloco(...) syncs across nodes and needs the model "
+                         f"states sharded inside each node and replicated across nodes, but on the mesh "
+                         f"{mesh_lib.axis_sizes(mesh)} they are replicated over {replicas or 'no axis'}; use "
+                         "mics() (group = one node) with it")
     secondary = self.gather.secondary_axes
     if secondary is not None and not set(secondary) <= set(self.sharding.param_axes):
       raise ValueError(f"plan {self.name!r}: the hpZ secondary group {secondary} must lie inside the "

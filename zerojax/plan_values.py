@@ -23,6 +23,7 @@ from zerojax.comm import formats
 from zerojax.mesh import AXES
 from zerojax import plan_checks as checks
 from zerojax.plan_checks import Axes
+from zerojax.plan_outer import Diloco
 from zerojax.plan_radius import Radius
 REDUCE_VIA = ("auto", "all_to_all", "reduce_scatter")
 REMAT = remat.MODES
@@ -293,14 +294,26 @@ class ReplicaSync:
     replica_sync: None, a dense all-reduce; `radius(...)`, Radius's periodic top-k with a residual
       (`Radius`). Radius syncs after the accumulation window (select and sparse steps do not use
       `sync_in_backward`; its dense warm-up steps do).
+    outer_sync: None; or `diloco(...)` (`Diloco`): the replicas (the nodes) do not sync their gradients at
+      all; each trains its own replica for `every` steps, then DiLoCo's outer optimizer syncs them.
   """
   sync_in_backward: bool = False
   replica_sync: Radius | None = None
+  outer_sync: Diloco | None = None
 
   def __post_init__(self):
     if self.replica_sync is not None and not isinstance(self.replica_sync, Radius):
       raise ValueError(f"replica_sync={self.replica_sync!r}; use None (dense all-reduce) or "
                        "radius(density=..., period=..., dense_steps=...)")
+    if self.outer_sync is not None and not isinstance(self.outer_sync, Diloco):
+      raise ValueError(f"outer_sync={self.outer_sync!r}; use None or diloco(every=..., fragments=..., bits=...)")
+    if self.outer_sync is not None and self.replica_sync is not None:
+      raise ValueError("outer_sync=diloco(...) replaces the replicas' gradient sync that replica_sync=radius(...) "
+                       "sparsifies; use one of them")
+
+  @property
+  def alignment(self) -> int:
+    return self.outer_sync.alignment if self.outer_sync is not None else 1
 
 
 @dataclasses.dataclass(frozen=True)

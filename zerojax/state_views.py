@@ -24,15 +24,17 @@ class StateViews:
   def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
     """NamedShardings of every field of the train state."""
     state_shapes = state_shapes or jax.eval_shape(self.init_from_flat, self.flat_shapes())
-    params = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs)
+    params = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_param_specs)
     rep = NamedSharding(self.mesh, P())
     opt_order = self.plan.sharding.opt_order or None
-    by_ndim = {1: NamedSharding(self.mesh, P(opt_order)), 2: NamedSharding(self.mesh, P(None, opt_order))}
-    opt = jax.tree.map(lambda x: rep if x.ndim == 0 else by_ndim[x.ndim], state_shapes.opt_state)
+    lead = (self.replica_axes,) if self.replica_axes else ()  # one replica per node (DiLoCo): a leading axis
+    by_ndim = {len(lead): NamedSharding(self.mesh, P(*lead)), 1 + len(lead): NamedSharding(self.mesh, P(*lead, opt_order)),
+               2 + len(lead): NamedSharding(self.mesh, P(*lead, None, opt_order))}
+    opt = jax.tree.map(lambda x: by_ndim[x.ndim], state_shapes.opt_state)
     offload = self.components.offload  # the fields in host memory (`Sharding.offload`)
     params = offload.place("params", params, state_shapes.params)
     opt = offload.place("opt_state", opt, state_shapes.opt_state)
-    return TrainState(step=rep, params=params, opt_state=opt, skipped=rep,
+    return TrainState(step=rep, params=params, opt_state=opt, skipped=NamedSharding(self.mesh, P(*lead)),
                       rng=jax.tree.map(lambda _: rep, state_shapes.rng),
                       mutable=jax.tree.map(lambda _: rep, state_shapes.mutable),
                       **{n: jax.tree.map(lambda s: NamedSharding(self.mesh, s), c.specs())
@@ -49,9 +51,13 @@ class StateViews:
     if model.init_state is not None and mutable is None:
       mutable = model.init_state(key)
     offload = self.components.offload  # offloaded fields are written to host memory as they are made
-    opt_state = offload.store("opt_state", self.optimizer.init(offload.fetch("params", flat)))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=offload.store("params", flat), opt_state=opt_state,
-                      skipped=jnp.zeros((), jnp.int32), rng=rng if model.rng else None,
+    params, init_opt, skipped = offload.fetch("params", flat), self.optimizer.init, jnp.zeros((), jnp.int32)
+    if self.replica_axes:  # every replica starts from the same weights, with its own optimizer states
+      params = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas,) + x.shape), params)
+      init_opt, skipped = jax.vmap(init_opt), jnp.zeros((self.replicas,), jnp.int32)
+    opt_state = offload.store("opt_state", init_opt(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=offload.store("params", params), opt_state=opt_state,
+                      skipped=skipped, rng=rng if model.rng else None,
                       mutable=mutable if model.init_state is not None else None,
                       **{n: c.init(flat) for n, c in self.stateful.items()})
 
@@ -99,7 +105,10 @@ class StateViews:
     for evaluation or `save_pretrained` on one device; `jax.device_get` of the result gives numpy arrays.
     Across several processes every process calls it with `device=None` (see `zerojax.train.export`).
     """
-    params = self.to_user(layout_lib.to_logical(state.params, self.layout))
+    flat = state.params
+    if self.replica_axes:  # one replica per node (DiLoCo): the first's, every replica's right after a sync
+      flat = jax.tree.map(lambda x: x[0], flat)
+    params = self.to_user(layout_lib.to_logical(flat, self.layout))
     return params if device is None else _put(params, device)
 
   def logical_variables(self, state: TrainState, device=None) -> dict:

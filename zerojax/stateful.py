@@ -3,7 +3,7 @@
 docs/DESIGN.md, "State across steps". optax makes each feature a `GradientTransformation(init, update)`
 that owns its state; here a component of a plan that must remember something from one step to the next
 (what a quantization dropped; a replica's unsent gradient and its selection) is a `Stateful`: it says how its state is created (`init`), sharded (`specs`),
-used and updated by the step (`body_in`, `sync`, `update`), checkpointed (`stored`) and counted
+used and updated by the step (`body_in`, `sync`, `update`, `after_update`), placed (`replica_axes`), checkpointed (`stored`) and counted
 (`memory_bytes`). The executor, the checkpoint spec (`zerojax.train.state_spec`) and the memory report
 (`zerojax.memory`) iterate over the plan's components (`zerojax.train_state.stateful_components`) and never name
 one. Its state lives in the `TrainState` field of the component's `name`.
@@ -71,6 +71,11 @@ def keep(finite, new, old):
   return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
+def keep_replicas(finite, new, old):
+  """`keep` per replica: `finite` is `[replicas]`, every leaf leads with the replica axis."""
+  return jax.tree.map(lambda n, o: jnp.where(finite.reshape(finite.shape + (1,) * (n.ndim - 1)), n, o), new, old)
+
+
 class Stateful(abc.ABC):
   """A plan's component with state across steps. Subclasses set the class attributes and implement
   the abstract `of`, `init`, `specs`, `memory_bytes`, `stored` and `refuse_restore` (a subclass missing
@@ -83,11 +88,18 @@ class Stateful(abc.ABC):
     phases: the programs besides "dense" that `phase` picks; the last one is a run's steady state (the
       program `step.lower` lowers by default).
     in_backward: the units' backward updates the state every micro-step, as the cotangent of the old.
+    replaces_sync: in its phases the component's `sync` replaces the replica all-reduce (Radius); False:
+      its phases change only what happens after the update (`after_update`, DiLoCo's outer step).
+    replica_axes: the mesh axes over which the master weights and optimizer states hold a distinct replica
+      each (DiLoCo: the nodes); the train state then gives them a leading replica axis sharded over these
+      axes, and the step never reduces over them. () for every other component.
   """
   name: ClassVar[str]
   setting: ClassVar[str]
   phases: ClassVar[tuple[str, ...]] = ()
   in_backward: ClassVar[bool] = False
+  replaces_sync: ClassVar[bool] = True
+  replica_axes: ClassVar[tuple[str, ...]] = ()
 
   @classmethod
   @abc.abstractmethod
@@ -132,6 +144,12 @@ class Stateful(abc.ABC):
     """After the optimizer's update, outside the body: the next state from the body's output `out`, the
     optimizer's `updates` and the step; `finite` is False on a skipped step (then keep `state`)."""
     return state
+
+  def after_update(self, own, params, phase: str) -> tuple[Any, Any]:
+    """After the optimizer's update (and the skip of a non-finite step), outside the body: the component's
+    state and the master weights, which it may replace (DiLoCo's outer step restarts every replica from
+    the outer parameters). Default: both as they are."""
+    return own, params
 
   @abc.abstractmethod
   def memory_bytes(self) -> int:

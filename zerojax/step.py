@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import gpu_aot, logical as logical_lib
 from zerojax.model import call_loss
-from zerojax.stateful import keep
+from zerojax.stateful import keep, keep_replicas
 from zerojax.train_state import TrainState
 from zerojax.unit import ShardedUnit
 
@@ -52,7 +52,9 @@ class StepMixin:
     mean loss, mean aux, device-averaged mutable collections, `{name: the component's output}`."""
     model, local, parts = self.model, local or {}, self.components
     carried = {n: local[n] for n, c in self.stateful.items() if c.in_backward}  # through the backward
-    syncer = next((c for c in self.stateful.values() if phase in c.phases), None)  # replaces the all-reduce
+    syncer = next((c for c in self.stateful.values() if phase in c.phases and c.replaces_sync), None)
+    if self.replica_axes:  # this device's replica `[1, ...]` (DiLoCo)
+      master = jax.tree.map(lambda m: m[0], master)
     p_shards = parts.gather.from_master(master)  # step 0
     zeros_g = parts.reduction.sinks(self.layout.tree())
     rank = lax.axis_index(self.data_axes)  # node-major, as the batch is sharded
@@ -106,12 +108,16 @@ class StepMixin:
     loss = parts.mean(jnp.mean(losses))  # over the axes of size > 1: none on one device
     aux = jax.tree.map(lambda a: parts.mean(jnp.mean(_inexact(a), axis=0)), aux)
     mutable = jax.tree.map(lambda m: parts.mean(m) if _is_inexact(m) else m, mutable)
-    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once.
-    denom = self.world * self.accum_steps
+    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once (with
+    # one replica per node, by the devices of one replica).
+    denom = self.world // max(self.replicas, 1) * self.accum_steps
     out = {n: carried.get(n) for n in self.stateful}
     if syncer is None:
-      return jax.tree.map(lambda g: g / denom, acc), loss, aux, mutable, out
-    grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], denom, phase)
+      grads = jax.tree.map(lambda g: g / denom, acc)
+    else:
+      grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], denom, phase)
+    if self.replica_axes:  # per replica: `[1, ...]` of the leading replica axis
+      grads, loss, aux = jax.tree.map(lambda x: x[None], (grads, loss, aux))
     return grads, loss, aux, mutable, out
 
   def phase(self, state: TrainState) -> str:
@@ -138,24 +144,32 @@ class StepMixin:
     data = P(None, self.data_axes)
     body_in = {n: c.body_in(getattr(state, n), phase) for n, c in self.stateful.items()}
     out_specs = {n: c.body_out_specs(phase) for n, c in self.stateful.items()}
+    per = P(self.replica_axes) if self.replica_axes else P()  # the loss and aux: one per replica
     grads, loss, aux, mutable, out = jax.shard_map(
         functools.partial(self._local_grads, phase=phase), mesh=self.mesh,
-        in_specs=(self.param_specs, data, P(), P(), P(), {n: s for n, (_, s) in body_in.items()}),
-        out_specs=(self.param_specs, P(), P(), P(), out_specs), check_vma=False)(
+        in_specs=(self.state_param_specs, data, P(), P(), P(), {n: s for n, (_, s) in body_in.items()}),
+        out_specs=(self.state_param_specs, per, per, P(), out_specs), check_vma=False)(
             state.params, batch, state.step, state.rng, state.mutable, {n: v for n, (v, _) in body_in.items()})
     # The update's states reach the device once the backward is done (`HostOffload.fetch`'s `after`).
     state = state.replace(params=offload.fetch("params", host.params, after=grads),
                           opt_state=offload.fetch("opt_state", host.opt_state, after=grads))
-    grad_norm = optax.tree.norm(grads)
+    # One optimizer per replica (DiLoCo): each replica's norm, update and skip are its own.
+    per_replica = jax.vmap if self.replica_axes else (lambda f: f)
+    grad_norm = per_replica(optax.tree.norm)(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    updates, opt_state = per_replica(self.optimizer.update)(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    new = state.replace(step=state.step + 1, params=keep(finite, params, state.params),
-                        opt_state=keep(finite, opt_state, state.opt_state),
+    kept = (lambda new, old: keep_replicas(finite, new, old)) if self.replica_axes else (
+        lambda new, old: keep(finite, new, old))
+    new = state.replace(step=state.step + 1, params=kept(params, state.params),
+                        opt_state=kept(opt_state, state.opt_state),
                         skipped=state.skipped + (~finite).astype(jnp.int32),
                         mutable=keep(finite, mutable, state.mutable),
                         **{n: c.update(getattr(state, n), out[n], updates, state.step, finite, phase)
                            for n, c in self.stateful.items()})
+    for n, c in self.stateful.items():  # e.g. DiLoCo's outer step, after the inner update
+      own, params = c.after_update(getattr(new, n), new.params, phase)
+      new = new.replace(params=params, **{n: own})
     new = new.replace(params=offload.store("params", new.params), opt_state=offload.store("opt_state", new.opt_state))
     return new, StepMetrics(loss, grad_norm, finite, aux)
 
@@ -180,9 +194,15 @@ class StepMixin:
                                     compiler_options=gpu_aot.compiler_options(self.mesh) or None)
         return programs[phase]
 
+      summary = jax.jit(lambda m: StepMetrics(jnp.mean(m.loss), jnp.mean(m.grad_norm), jnp.all(m.finite),
+                                              jax.tree.map(lambda a: jnp.mean(a, axis=0), m.aux)))
+
       def step(state, batch):
-        return program(self.phase(state))(state, self.shard_batch(batch))
-      default = next((c.phases[-1] for c in self.stateful.values() if c.phases), "dense")
+        state, metrics = program(self.phase(state))(state, self.shard_batch(batch))
+        # One replica per node (DiLoCo): the step's metrics are per replica; their mean (all finite) is a
+        # separate program, so the step itself reduces nothing across them.
+        return state, (summary(metrics) if self.replica_axes else metrics)
+      default = next((c.phases[-1] for c in self.stateful.values() if c.phases and c.replaces_sync), "dense")
       step.lower = lambda state, batch, phase=None: program(phase or default).lower(state, batch)
       self._step = step
     return self._step
@@ -233,14 +253,18 @@ class StepMixin:
   def eval_fn(self):
     """Jitted `(params, batch[global_batch, ...], mutable=None)` -> mean loss (and aux with
     `Model.has_aux`), forward only; the loss gets rng None and the mutable collections read-only."""
+    axes = tuple(a for a in self.mesh.axis_names if self.mesh.shape[a] > 1)  # every device's batch, every replica
+    mean = lambda x: lax.pmean(x, axes) if axes else x
+
     def local(master, batch, mutable):
+      if self.replica_axes:  # each replica on its devices' batch (DiLoCo; equal right after a sync)
+        master = jax.tree.map(lambda m: m[0], master)
       shards = self.components.gather.from_master(master)
       loss, aux, _ = call_loss(self.model, self._units(shards, shards), batch, None, mutable)
-      loss = self.components.mean(loss)
       if not self.model.has_aux:
-        return loss
-      return loss, jax.tree.map(lambda a: self.components.mean(_inexact(a)), aux)
-    body = jax.shard_map(local, mesh=self.mesh, in_specs=(self.param_specs, P(self.data_axes), P()),
+        return mean(loss)
+      return mean(loss), jax.tree.map(lambda a: mean(_inexact(a)), aux)
+    body = jax.shard_map(local, mesh=self.mesh, in_specs=(self.state_param_specs, P(self.data_axes), P()),
                          out_specs=P(), check_vma=False)
     offload = self.components.offload
     run = jax.jit(lambda params, batch, mutable: body(offload.fetch("params", params), batch, mutable))

@@ -1,5 +1,6 @@
 """Registers the plan constructors with gin, so configs can say `train.plan = @zero3()`, and Radius's
-replica sync (`mics.replica_sync = @radius()`, `radius.density = 0.1`).
+replica sync (`mics.replica_sync = @radius()`, `radius.density = 0.1`) and DiLoCo's outer sync
+(`mics.outer_sync = @diloco()`, `diloco.every = 50`).
 
 The run's settings (`param_dtype`, `compute_dtype`, `pad_multiple`) are set once by `train.param_dtype`,
 `train.compute_dtype` and `train.pad_multiple` for every plan (the planner's included): the constructors
@@ -16,3 +17,4 @@ for _name, _fn in plan.PLANS.items():
 gin.external_configurable(plan.amsp, name="amsp", denylist=RUN_SETTINGS)
 gin.external_configurable(planner.auto, name="auto")
 gin.external_configurable(plan.radius, name="radius")
+gin.external_configurable(plan.diloco, name="diloco")

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import layout as layout_lib, logical as logical_lib
 from zerojax.stateful import Stored
@@ -63,6 +63,7 @@ class _Leaf(NamedTuple):
   sharding: NamedSharding                 # of the logical array on the executor's mesh
   kind: str = "flat"                      # "flat", "scalar", or "component" (a stateful component's)
   stored: Stored | None = None            # how a component's leaf is stored (`Stateful.stored`)
+  replicated: bool = False                # leads with a replica axis (`Executor.replica_axes`, DiLoCo)
 
 
 class _Spec:
@@ -83,6 +84,7 @@ class _Spec:
                             "derived")
     leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes)
     axes, mesh = executor.plan.sharding.opt_order, executor.mesh
+    lead = executor.replica_axes  # one replica per node (DiLoCo): params, opt_state, skipped lead with it
     self.components = set(executor.stateful)
     stored = {n: iter(c.stored()) for n, c in executor.stateful.items()}  # in the order of the state's leaves
     self.leaves = []
@@ -92,15 +94,20 @@ class _Spec:
         s = next(stored[names[0]])
         self.leaves.append(_Leaf(names, None, s.shape, s.dtype, s.sharding, kind="component", stored=s))
         continue
+      replicated = bool(lead) and names[0] in ("params", "opt_state", "skipped")
+      base = tuple(x.shape[1:]) if replicated else tuple(x.shape)
       if names[0] == "params":
         lay = by_path[names[1:]]
-      elif names[0] != "opt_state" or x.ndim == 0:
+      elif names[0] != "opt_state" or len(base) == 0:
         lay = None
       else:
-        lay = self._owner(names, tuple(x.shape), params)
-      shape = lay.logical_shape if lay else tuple(x.shape)
-      self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), layout_lib.logical_sharding(mesh, axes, shape),
-                               kind="flat" if lay else "scalar"))
+        lay = self._owner(names, base, params)
+      shape = lay.logical_shape if lay else base
+      sharding = layout_lib.logical_sharding(mesh, axes, shape)
+      if replicated:  # stored [replicas, *logical shape], each replica on its own node
+        shape, sharding = (x.shape[0],) + shape, NamedSharding(mesh, P(lead, *sharding.spec))
+      self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), sharding, kind="flat" if lay else "scalar",
+                               replicated=replicated))
     seen = {}
     for leaf in self.leaves:
       key = SEP.join(leaf.names)
@@ -115,7 +122,8 @@ class _Spec:
       return x
     if leaf.kind == "component":
       return leaf.stored.to_logical(x) if to_logical else leaf.stored.from_logical(x)
-    return layout_lib.unflatten_leaf(x, leaf.layout) if to_logical else layout_lib.flatten_leaf(x, leaf.layout)
+    fn = layout_lib.unflatten_leaf if to_logical else layout_lib.flatten_leaf
+    return jax.vmap(lambda y: fn(y, leaf.layout))(x) if leaf.replicated else fn(x, leaf.layout)
 
   @staticmethod
   def _owner(names, shape, params):

@@ -9,6 +9,7 @@ import time
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
@@ -251,7 +252,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       eval_loss = evaluate(state) if (eval_every and step % eval_every == 0) or step == steps else None
       if lead and (step % log_every == 0 or eval_loss is not None):
         rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-               "grad_norm": float(metrics.grad_norm), "skipped": int(state.skipped)}
+               "grad_norm": float(metrics.grad_norm), "skipped": int(jnp.sum(state.skipped))}
         log.write(rec if eval_loss is None else {**rec, "eval_loss": eval_loss})
       bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_s=f"{dt:.3f}")
       bar.update(1)
@@ -275,7 +276,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
   summary = {"plan": label(plan), "plan_name": plan.name, "mesh": dict(mesh.shape),
              "status": f"stopped by {stopped_by}" if stopped_by else "finished", "stopped_by": stopped_by,
              "step": step, "steps": steps, "first_loss": _finite(first_loss), "final_loss": _finite(loss),
-             "final_eval_loss": _finite(eval_loss), "skipped_steps": int(state.skipped),
+             "final_eval_loss": _finite(eval_loss), "skipped_steps": int(jnp.sum(state.skipped)),
              "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if median else None,
              "data": dataset.source, "memory_bytes_per_device": memory_report(ex)["expected"],
              "plan_fields": {"name": plan.name, **{k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v

@@ -1,0 +1,213 @@
+"""DiLoCo's outer optimizer across nodes as a stateful component (`zerojax.stateful`).
+
+With `outer_sync=diloco(...)` (`ReplicaSync.outer_sync`, `zerojax.plan_outer.Diloco`) every node trains its
+own replica of the model: the train state's master weights and optimizer states get a leading replica axis
+`[nodes, ...]`, sharded over the node axis (`Stateful.replica_axes`), and the inner step reduces gradients
+inside the node only: nothing crosses nodes. After the inner step of a sync (`phase` "outer<f>" for
+fragment f) the outer step runs (`after_update`, DiLoCo Algorithm 1 lines 8–12):
+
+    Δ = θ_outer - mean over nodes (θ_replica)        (all-reduced over the nodes: fp32, or int8 / int4 blocks)
+    m = μ m + Δ;   θ_outer -= lr (Δ + μ m)  (Nesterov; heavy-ball: lr m)
+    θ_replica = θ_outer on every node                 (the inner optimizer states stay each node's own)
+
+for the fragment's layers only (Streaming DiLoCo §2.2). Every node computes the same outer update from the
+same all-reduced Δ, so the outer state is the same on every node and is held like the master weights
+inside one node (sharded over A_os, replicated across nodes).
+
+State (`OuterState`, the `TrainState` field "outer"): per leaf the outer parameters and the outer
+momentum, `[(layers,) padded]` fp32. A checkpoint stores both in the leaf's logical shape; with the
+replicas' master weights and optimizer states (stored `[nodes, *logical shape]`), a run resumes bitwise on
+the same mesh and restores onto another mesh with the same number of nodes.
+
+References:
+  DiLoCo: Douillard et al. 2023, Algorithm 1, §3. Streaming DiLoCo: Douillard et al. 2025, §2.2, §2.4.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zerojax import comm, layout as layout_lib
+from zerojax.comm import formats
+from zerojax.mesh import group_size
+from zerojax.plan_outer import BLOCK, Diloco
+from zerojax.stateful import Stateful, Stored
+
+
+@flax.struct.dataclass
+class OuterState:
+  """DiLoCo's outer state: the parameters every replica restarts from, and the outer momentum."""
+  params: Any    # per leaf [(layers,) padded] fp32, sharded over A_os, the same on every node
+  momentum: Any  # like params
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OuterSync(Stateful):
+  """DiLoCo's outer optimizer on one executor's mesh and layout.
+
+  Attributes:
+    diloco: the plan's `Diloco` (every, fragments, bits, lr, momentum, nesterov).
+    mesh, layout: the executor's mesh and parameter layout.
+    opt_order: the axes of A_os inside a node.
+    nodes: the replica axes (the node axes; possibly of size 1).
+    rows: per fragment, per leaf (in the layout's order): None (not in the fragment), () (the whole leaf)
+      or the layer indices of a scanned leaf in the fragment.
+  """
+  name = "outer"
+  setting = "outer_sync=diloco(...)"
+  replaces_sync = False
+
+  diloco: Diloco
+  mesh: Mesh
+  layout: layout_lib.Layout
+  opt_order: tuple[str, ...]
+  nodes: tuple[str, ...]
+  rows: tuple[tuple[Any, ...], ...]
+
+  @classmethod
+  def of(cls, plan, mesh, layout, metas):
+    d = plan.sync.outer_sync
+    if d is None:
+      return None
+    return cls(d, mesh, layout, plan.sharding.opt_order, plan.sharding.replica_axes(mesh),
+               fragment_rows(layout, d.fragments))
+
+  @classmethod
+  def refuse_restore(cls, where, key):
+    return (f"checkpoint {where} holds DiLoCo's outer parameters and momentum ({key}, ...) and one replica per "
+            "node; restore it with the plan's outer_sync=diloco(...) on a mesh with as many nodes")
+
+  @property
+  def phases(self) -> tuple[str, ...]:
+    return tuple(f"outer{f}" for f in range(self.diloco.fragments))
+
+  @property
+  def replica_axes(self) -> tuple[str, ...]:
+    return self.nodes
+
+  @property
+  def replicas(self) -> int:
+    return group_size(self.mesh, self.nodes)
+
+  def init(self, flat):
+    return OuterState(params=jax.tree.map(jnp.copy, flat), momentum=jax.tree.map(jnp.zeros_like, flat))
+
+  def specs(self) -> OuterState:
+    params = layout_lib.specs(self.layout, self.opt_order)
+    return OuterState(params=params, momentum=params)
+
+  def phase(self, state) -> str | None:
+    f = self.diloco.fragment_at(int(state.step))
+    return None if f is None else f"outer{f}"
+
+  def after_update(self, own: OuterState, params, phase: str):
+    """After the inner step's update: DiLoCo's outer step for the fragment `phase` names (the module
+    docstring); other phases leave both as they are."""
+    if phase not in self.phases:
+      return own, params
+    f = self.phases.index(phase)
+    own_specs = self.specs()
+    replica = jax.tree.map(lambda s: P(self.nodes, *s), own_specs.params, is_leaf=lambda s: isinstance(s, P))
+    step = jax.shard_map(lambda p, o, m: self._outer_step(f, p, o, m), mesh=self.mesh,
+                         in_specs=(replica, own_specs.params, own_specs.momentum),
+                         out_specs=(replica, own_specs.params, own_specs.momentum), check_vma=False)
+    params, outer, momentum = step(params, own.params, own.momentum)
+    return OuterState(outer, momentum), params
+
+  def _outer_step(self, f: int, params, outer, momentum):
+    """shard_map body: this node's replica `[1, (layers,) c]`, the outer parameters and momentum
+    `[(layers,) c]` of this device's shard -> the three after the outer step of fragment `f`."""
+    d = self.diloco
+    p_leaves, treedef = jax.tree.flatten(params)
+    o_leaves, m_leaves = jax.tree.leaves(outer), jax.tree.leaves(momentum)
+    take = lambda x, rows: x if rows == () else x[np.asarray(rows)]
+    picked = [i for i, rows in enumerate(self.rows[f]) if rows is not None]
+    if not picked:
+      return params, outer, momentum
+    deltas = [take(o_leaves[i], self.rows[f][i]) - take(p_leaves[i][0], self.rows[f][i]) for i in picked]
+    mean = _mean_over(deltas, self.moving_nodes, d.bits)
+    for i, delta in zip(picked, mean):
+      rows = self.rows[f][i]
+      m = d.momentum * take(m_leaves[i], rows) + delta
+      new = take(o_leaves[i], rows) - d.lr * ((delta + d.momentum * m) if d.nesterov else m)
+      put = lambda x, v, rows=rows: v if rows == () else x.at[np.asarray(rows)].set(v)
+      o_leaves[i], m_leaves[i] = put(o_leaves[i], new), put(m_leaves[i], m)
+      p_leaves[i] = put(p_leaves[i][0], new)[None]
+    unflat = lambda leaves: jax.tree.unflatten(treedef, leaves)
+    return unflat(p_leaves), unflat(o_leaves), unflat(m_leaves)
+
+  @property
+  def moving_nodes(self) -> tuple[str, ...]:
+    sizes = dict(self.mesh.shape)
+    return tuple(a for a in self.nodes if sizes[a] > 1)
+
+  def memory_bytes(self) -> int:
+    """The outer parameters and momentum, fp32, sharded like the master weights inside a node."""
+    numel = sum(l.padded * (l.layers or 1) for l in self.layout.leaves)
+    return 2 * 4 * numel // group_size(self.mesh, self.opt_order)
+
+  def cross_node_bytes(self, fragment: int) -> int:
+    """Bytes each device sends to other nodes in fragment `fragment`'s outer step (ring all-reduce of
+    fp32, or the all-gather of the quantized blocks)."""
+    n = group_size(self.mesh, self.moving_nodes)
+    if n == 1:
+      return 0
+    shards = group_size(self.mesh, self.opt_order)
+    elements = sum(l.padded // shards * (1 if rows == () else len(rows))
+                   for l, rows in zip(self.layout.leaves, self.rows[fragment]) if rows is not None)
+    if self.diloco.bits is None:
+      return int(2 * (n - 1) / n * 4 * elements)
+    return int((n - 1) * elements * formats.integer(self.diloco.bits, BLOCK).bytes_per_element)
+
+  def stored(self) -> list[Stored]:
+    out = []
+    for _ in ("params", "momentum"):
+      for lay in self.layout.leaves:
+        shape = lay.logical_shape
+        out.append(Stored(shape, np.dtype(np.float32), layout_lib.logical_sharding(self.mesh, self.opt_order, shape),
+                          to_logical=lambda x, lay=lay: layout_lib.unflatten_leaf(x, lay),
+                          from_logical=lambda x, lay=lay: layout_lib.flatten_leaf(x, lay)))
+    return out
+
+
+def fragment_rows(layout: layout_lib.Layout, fragments: int) -> tuple[tuple[Any, ...], ...]:
+  """Per fragment, per leaf: the leaf's part in it (`OuterSync.rows`). A scanned unit's layers are split
+  into `fragments` runs of consecutive layers (Streaming DiLoCo §2.2); each other unit belongs whole to one
+  fragment, spread over them in the layout's order."""
+  tree = layout.tree()
+  units = list(tree)
+  single = [u for u in units if jax.tree.leaves(tree[u], is_leaf=layout_lib.is_layout)[0].layers is None]
+  out = []
+  for f in range(fragments):
+    rows = []
+    for u in units:
+      for lay in jax.tree.leaves(tree[u], is_leaf=layout_lib.is_layout):
+        if lay.layers is None:
+          rows.append(() if single.index(u) * fragments // len(single) == f else None)
+        else:
+          picked = tuple(range(f * lay.layers // fragments, (f + 1) * lay.layers // fragments))
+          rows.append((picked if len(picked) < lay.layers else ()) if picked else None)
+    out.append(tuple(rows))
+  return tuple(out)
+
+
+def _mean_over(deltas: list, nodes: tuple[str, ...], bits: int | None) -> list:
+  """The mean over `nodes` of each array of `deltas`: `lax.pmean` in fp32, or with `bits` the all-gather
+  of block-quantized values (every node dequantizes every node's blocks, its own included, so all nodes
+  get the same mean)."""
+  if not nodes:
+    return deltas
+  if bits is None:
+    return [lax.pmean(x, nodes) for x in deltas]
+  fmt = formats.integer(bits, BLOCK)
+  flat = [x.reshape(-1) for x in deltas]
+  gathered = comm.all_gather_unit(flat, nodes, fmt=fmt)
+  n = gathered[0].shape[0] // flat[0].shape[0]
+  return [g.reshape(n, -1).mean(0).reshape(x.shape) for g, x in zip(gathered, deltas)]

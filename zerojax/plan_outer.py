@@ -1,0 +1,78 @@
+"""DiLoCo's plan value: the outer optimizer across nodes (`ReplicaSync.outer_sync`), validating itself;
+`zerojax.outer_sync.OuterSync` runs it.
+
+References:
+  DiLoCo: Douillard et al. 2023, Algorithm 1 (inner steps, the outer gradient, Nesterov momentum), §3.
+  Streaming DiLoCo: Douillard et al. 2025, §2.2 (fragments synced at staggered steps), §2.4 (4-bit
+  outer gradients).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+BLOCK = 256  # elements per quantization block of a quantized outer gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class Diloco:
+  """DiLoCo's outer optimizer across the replica axes (the nodes), the value of `ReplicaSync.outer_sync`.
+
+  Each node trains its own replica of the model for `every` inner steps, with the plan's own sharding and
+  reduction inside the node and nothing crossing nodes. Then the outer gradient is all-reduced over the
+  nodes: the outer parameters minus each replica's, averaged. The outer optimizer (SGD with Nesterov
+  momentum, DiLoCo Algorithm 1) updates the outer parameters, and every replica restarts from them. Its
+  inner optimizer states stay its own. With `fragments` F > 1 the model's layers are split into F
+  fragments of consecutive layers (Streaming DiLoCo §2.2). Fragment f syncs at the steps
+  s with (s + 1 + f·every/F) % every == 0, so each step syncs at most one fragment, and the cross-node
+  traffic is spread over the window. With `bits` the outer gradient crosses nodes block-quantized (int8
+  or int4, blocks of 256 with fp32 scales; Streaming DiLoCo §2.4 uses 4 bits).
+
+  Attributes:
+    every: inner steps between two syncs of a fragment (DiLoCo's H; the paper uses 500).
+    fragments: F, the number of fragments synced at staggered steps (1: the whole model at once).
+    bits: None (fp32 outer gradients), 8 or 4.
+    lr: the outer learning rate (0.7 in DiLoCo).
+    momentum: the outer momentum (0.9 in DiLoCo); 0 for plain SGD.
+    nesterov: Nesterov momentum (DiLoCo's choice) or heavy-ball.
+  """
+  every: int = 50
+  fragments: int = 1
+  bits: int | None = None
+  lr: float = 0.7
+  momentum: float = 0.9
+  nesterov: bool = True
+
+  def __post_init__(self):
+    if isinstance(self.every, bool) or int(self.every) != self.every or self.every < 1:
+      raise ValueError(f"diloco every={self.every!r} must be a whole number of inner steps >= 1 (DiLoCo's H, "
+                       "e.g. 50)")
+    if isinstance(self.fragments, bool) or int(self.fragments) != self.fragments or not 1 <= self.fragments <= self.every:
+      raise ValueError(f"diloco fragments={self.fragments!r} must be a whole number in [1, every={self.every}]")
+    if self.bits not in (None, 8, 4):
+      raise ValueError(f"diloco bits={self.bits!r}; use None (fp32 outer gradients), 8 or 4")
+    if not self.lr > 0:
+      raise ValueError(f"diloco lr={self.lr!r} must be > 0 (DiLoCo uses 0.7)")
+    if not 0 <= self.momentum < 1:
+      raise ValueError(f"diloco momentum={self.momentum!r} must be in [0, 1) (DiLoCo uses 0.9)")
+
+  @property
+  def alignment(self) -> int:
+    """Each shard of a leaf holds whole quantization blocks (with `bits`)."""
+    return BLOCK if self.bits else 1
+
+  def offset(self, fragment: int) -> int:
+    """The steps fragment `fragment` is shifted by in the window: its sync is at (s + 1 + offset) % every == 0."""
+    return fragment * self.every // self.fragments
+
+  def fragment_at(self, step: int) -> int | None:
+    """The fragment that syncs after inner step `step` (counted from 0), or None."""
+    for f in range(self.fragments):
+      if (step + 1 + self.offset(f)) % self.every == 0:
+        return f
+    return None
+
+
+def diloco(every: int = 50, fragments: int = 1, bits: int | None = None, lr: float = 0.7, momentum: float = 0.9,
+           nesterov: bool = True) -> Diloco:
+  """DiLoCo's outer optimizer across nodes (see `Diloco`): `mics(outer_sync=diloco(every=50))`."""
+  return Diloco(every=every, fragments=fragments, bits=bits, lr=lr, momentum=momentum, nesterov=nesterov)
