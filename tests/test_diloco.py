@@ -80,3 +80,101 @@ def test_replicas_and_outer_update_match_plain_jax(outer):
     assert helpers.max_rel_diff(got, want) < 1e-5, r
   got_outer = jax.tree.map(zerojax.layout.unflatten_leaf, state.outer.params, ex.layout.tree())
   assert helpers.max_rel_diff(ex.to_user(got_outer), outer_ref) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_inner_step_crosses_no_node_and_the_outer_step_moves_the_model(bits):
+  """On the compiled programs: the inner step has no collective between nodes; the outer step's
+  cross-node bytes are those of the model's shard (fp32 ring all-reduce, or the int4 blocks' all-gather)."""
+  from zerojax.gpu_aot import abstract_inputs
+
+  ex = zerojax.Executor(helpers.tiny_gpt(), helpers.optimizer(), plans.mics(outer_sync=plans.diloco(every=4, bits=bits)),
+                        zerojax.make_mesh(*MESH), accum_steps=2)
+  state, batch = abstract_inputs(ex, (2, 16, helpers.TINY.seq_len + 1))
+  cross = {}
+  for phase in ("dense", "outer0"):
+    text = ex.step_fn().lower(state, batch, phase=phase).compile().as_text()
+    found = collectives_from_hlo(text, ex.mesh)
+    assert any(c.bytes_per_device > 0 for c in found), phase  # the in-node reductions are there
+    cross[phase] = sum(c.count * c.cross_node_bytes_per_device for c in found)
+  assert cross["dense"] == 0
+  elements = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves) // 4  # this device's shard of the model
+  want = 4 * elements if bits is None else elements * (0.5 + 4 / 256)  # N = 2: 2 (N-1)/N x fp32; (N-1) x int4 + scales
+  assert cross["outer0"] == pytest.approx(want, rel=1e-6) == ex.stateful["outer"].cross_node_bytes(0)
+
+
+def test_fragments_sync_their_layers_at_staggered_steps():
+  outer = plans.diloco(every=4, fragments=2)
+  assert [outer.fragment_at(s) for s in range(8)] == [None, 0, None, 1, None, 0, None, 1]
+  ex = zerojax.Executor(helpers.tiny_gpt(), optax.sgd(0.1), plans.mics(outer_sync=outer), zerojax.make_mesh(*MESH))
+  rows = fragment_rows(ex.layout, 2)
+  scanned = [i for i, l in enumerate(ex.layout.leaves) if l.layers]
+  assert all(rows[0][i] == (0,) and rows[1][i] == (1,) for i in scanned)  # 2 layers: one each
+  single = [i for i in range(len(ex.layout.leaves)) if i not in scanned]
+  assert all((rows[0][i] is None) != (rows[1][i] is None) for i in single)  # every other leaf in one fragment
+  # after fragment 0's sync its layers agree across replicas and fragment 1's do not
+  _, state, _, _ = run(outer, helpers.optimizer("sgd"), 2)
+  blocks = np.asarray(state.params["blocks"]["fc"]["kernel"])  # [replicas, layers, padded]
+  assert np.array_equal(blocks[0, 0], blocks[1, 0]) and not np.array_equal(blocks[0, 1], blocks[1, 1])
+
+
+@pytest.mark.parametrize("bits, bound", [(8, 0.02), (4, 0.2)])
+def test_quantized_outer_gradients_stay_within_their_bound(bits, bound):
+  """int8 / int4 outer gradients: after the sync every replica holds the same weights, within the bound
+  of the fp32 sync's (relative L2 of the outer step's change)."""
+  fp32 = run(plans.diloco(every=2), helpers.optimizer("sgd"), 2)[1]
+  q = run(plans.diloco(every=2, bits=bits), helpers.optimizer("sgd"), 2)[1]
+  p = np.asarray(q.params["blocks"]["fc"]["kernel"])
+  assert np.array_equal(p[0], p[1])
+  ex0, init, _, _ = run(plans.diloco(every=2), helpers.optimizer("sgd"), 0)
+  logical = lambda s: jax.tree.map(zerojax.layout.unflatten_leaf, s.outer.params, ex0.layout.tree())
+  moved = lambda s: jax.tree.map(lambda a, b: a - b, logical(s), logical(init))
+  assert 0 < helpers.rel_l2(moved(q), moved(fp32)) < bound
+
+
+def test_checkpoint_between_syncs_resumes_bitwise_and_restores_onto_another_mesh(tmp_path):
+  """3 inner steps of H = 4 (the replicas differ), saved, restored, 3 more: bitwise the 6-step run; and
+  the same checkpoint restores onto 2 x 2 devices (as many nodes) with every logical array equal."""
+  outer, opt = plans.diloco(every=4), helpers.optimizer()
+  ex, state, _, _ = run(outer, opt, 3)
+  blocks = np.asarray(state.params["blocks"]["fc"]["kernel"])
+  assert not np.array_equal(blocks[0], blocks[1])  # between syncs: one replica per node
+  with Checkpointer(str(tmp_path)) as c:
+    c.save(ex, state)
+  with Checkpointer(str(tmp_path), read_only=True) as c:
+    restored, _ = c.restore(ex)
+  step, losses = ex.step_fn(), []
+  for b in helpers.batches(6, 2)[3:]:
+    restored, m = step(restored, b)
+    losses.append(float(m.loss))
+  _, full, _, full_losses = run(outer, opt, 6)
+  assert losses == full_losses[3:]
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(restored)),
+                                                  jax.tree.leaves(jax.device_get(full))))
+  small = zerojax.Executor(helpers.tiny_gpt(), opt, plans.mics(outer_sync=outer, param_dtype="float32"),
+                           zerojax.make_mesh(2, 2, devices=jax.devices()[:4]), accum_steps=2)
+  with Checkpointer(str(tmp_path), read_only=True) as c:
+    other, _ = c.restore(small)
+  a, b = state_spec.logical_state(ex, state), state_spec.logical_state(small, other)
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))))
+
+
+def test_memory_report_counts_the_outer_state():
+  ex = zerojax.Executor(helpers.tiny_gpt(), optax.adamw(1e-3), plans.mics(outer_sync=plans.diloco()), zerojax.make_mesh(*MESH))
+  rep = memory_report(ex, ex.init(jax.random.key(0)))
+  assert rep["expected"]["outer"] == 2 * rep["expected"]["master"] == rep["measured"]["outer"] > 0
+  assert rep["expected"]["master"] == rep["measured"]["master"]  # each device holds its replica's shard
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: plans.zero3(outer_sync=plans.diloco()), r"needs the model states sharded inside each node .* use mics\(\)"),
+    (lambda: plans.dp(outer_sync=plans.diloco()), r"replicated over \('node', 'gpu'\); use mics\(\)"),
+    (lambda: plans.mics(outer_sync=plans.diloco(), replica_sync=plans.radius()), r"use one of them"),
+    (lambda: plans.diloco(every=0), r"every=0 must be a whole number of inner steps >= 1"),
+    (lambda: plans.diloco(every=4, fragments=5), r"fragments=5 must be a whole number in \[1, every=4\]"),
+    (lambda: plans.diloco(bits=2), r"bits=2; use None \(fp32 outer gradients\), 8 or 4"),
+])
+def test_bad_settings_are_refused_in_one_line(make, match):
+  with pytest.raises(ValueError, match=match) as e:
+    zerojax.Executor(helpers.tiny_gpt(), optax.sgd(0.1), make(), zerojax.make_mesh(*MESH))
+  assert "\n" not in str(e.value)

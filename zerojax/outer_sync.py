@@ -160,11 +160,11 @@ class OuterSync(Stateful):
     if n == 1:
       return 0
     shards = group_size(self.mesh, self.opt_order)
-    elements = sum(l.padded // shards * (1 if rows == () else len(rows))
+    elements = sum(l.padded // shards * ((l.layers or 1) if rows == () else len(rows))
                    for l, rows in zip(self.layout.leaves, self.rows[fragment]) if rows is not None)
     if self.diloco.bits is None:
       return int(2 * (n - 1) / n * 4 * elements)
-    return int((n - 1) * elements * formats.integer(self.diloco.bits, BLOCK).bytes_per_element)
+    return int((n - 1) * elements * formats.integer(self.diloco.bits, BLOCK).bytes_per_element())
 
   def stored(self) -> list[Stored]:
     out = []

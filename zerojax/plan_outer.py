@@ -61,13 +61,15 @@ class Diloco:
     return BLOCK if self.bits else 1
 
   def offset(self, fragment: int) -> int:
-    """The steps fragment `fragment` is shifted by in the window: its sync is at (s + 1 + offset) % every == 0."""
-    return fragment * self.every // self.fragments
+    """Inner steps into each window at which fragment `fragment` syncs: (f + 1) · every / F (the last
+    fragment at the window's end, as with one fragment)."""
+    return (fragment + 1) * self.every // self.fragments
 
   def fragment_at(self, step: int) -> int | None:
-    """The fragment that syncs after inner step `step` (counted from 0), or None."""
+    """The fragment that syncs after inner step `step` (counted from 0): the one whose offset is
+    (step + 1) mod every; None for a step that syncs nothing."""
     for f in range(self.fragments):
-      if (step + 1 + self.offset(f)) % self.every == 0:
+      if (step + 1) % self.every == self.offset(f) % self.every:
         return f
     return None
 

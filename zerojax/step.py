@@ -185,12 +185,14 @@ class StepMixin:
     if self._step is None:
       sh = state_shardings or self.shardings()
       programs = {}
+      # Per-replica metrics stay on their replica's devices: gathering them would cross nodes.
+      metrics = NamedSharding(self.mesh, P(self.replica_axes) if self.replica_axes else P())
 
       def program(phase):
         if phase not in programs:
           programs[phase] = jax.jit(functools.partial(self._train_step, phase=phase),
                                     in_shardings=(sh, self.batch_sharding),
-                                    out_shardings=(sh, NamedSharding(self.mesh, P())), donate_argnums=0,
+                                    out_shardings=(sh, metrics), donate_argnums=0,
                                     compiler_options=gpu_aot.compiler_options(self.mesh) or None)
         return programs[phase]
 
