@@ -178,3 +178,32 @@ def test_bad_settings_are_refused_in_one_line(make, match):
   with pytest.raises(ValueError, match=match) as e:
     zerojax.Executor(helpers.tiny_gpt(), optax.sgd(0.1), make(), zerojax.make_mesh(*MESH))
   assert "\n" not in str(e.value)
+
+
+def test_the_docs_example_builds_the_plans_it_names():
+  from tests.doc_sections import code_blocks
+  scope = {"zerojax": zerojax}
+  for code in code_blocks("Turning it on", "diloco.md"):
+    exec(compile(code, "docs/diloco.md", "exec"), scope)
+  assert scope["plan"].sync.outer_sync == plans.diloco(every=50, fragments=4, bits=4)
+
+
+@pytest.mark.e2e
+def test_train_py_killed_between_syncs_resumes_with_the_uninterrupted_losses(tmp_path):
+  """train.py with configs/diloco_mics.gin (H = 6), SIGKILL after the checkpoint of step 4 (the replicas
+  differ then), restarted: every step's loss and gradient norm equal those of a run never interrupted."""
+  import os
+  import signal
+
+  from tests.train_helpers import GIN, run_train
+  gin = tuple(GIN) + ("diloco.every=6",)
+  cfg = dict(gin_file="configs/diloco_mics.gin", gin=gin)
+  rc, out, full, _ = run_train(str(tmp_path / "full"), **cfg)
+  assert rc == 0, out[-3000:]
+  work = str(tmp_path / "killed")
+  has = lambda step: os.path.isdir(os.path.join(work, "checkpoints", str(step)))
+  rc, out, first, _ = run_train(work, signal.SIGKILL, lambda s: s >= 5 and has(4), **cfg)
+  assert rc == -signal.SIGKILL, out[-3000:]
+  rc, out, second, restored = run_train(work, **cfg)
+  assert rc == 0 and restored is not None and restored % 6 != 0, out[-3000:]  # resumed between two syncs
+  assert second == full[restored:]

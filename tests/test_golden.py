@@ -130,7 +130,9 @@ def run(config: str, prefetch: bool = False) -> dict:
     if phase not in programs:  # compile once, run the compiled program and read its collectives
       programs[phase] = ex.step_fn().lower(state, b, phase=phase).compile()
     state, m = programs[phase](state, b)
-    steps.append({"program": phase, "loss": f32(m.loss), "grad_norm": f32(m.grad_norm), "finite": bool(m.finite)})
+    # DiLoCo's compiled step gives one value per replica (node): their float32 mean, all finite
+    loss, norm = (np.mean(np.asarray(x), dtype=np.float32) for x in (m.loss, m.grad_norm))
+    steps.append({"program": phase, "loss": f32(loss), "grad_norm": f32(norm), "finite": bool(np.all(m.finite))})
   assert not ex.prefetch_fallbacks()  # the GPT's units run the order asked for
   params = jax.tree_util.tree_leaves_with_path(ex.logical_params(state))
   rest = {f.name: getattr(state, f.name) for f in state.__dataclass_fields__.values() if f.name != "params"}

@@ -25,7 +25,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE = ("plan_values", "plan_checks", "plan_radius", "plan", "components", "layout", "remat", "fidelity", "unit", "prefetch", "scan_layers",
         "executor", "state_views", "step",
-        "memory", "logical", "model", "stateful", "radius_sync", "train_state", "jaxpr_walk", "offload")
+        "memory", "logical", "model", "stateful", "radius_sync", "train_state", "jaxpr_walk", "offload", "plan_outer",
+        "outer_sync")
 MAX_LINES = 500
 MAX_ENGINE_LINES = 350  # zerojax/*.py: one concern each
 

@@ -4,7 +4,7 @@ from zerojax.layout import Layout, LeafLayout
 from zerojax.mesh import initialize_distributed, make_mesh
 from zerojax.models.linen import from_linen, linen_rngs
 from zerojax.models.nnx import from_nnx
-from zerojax.plan import PLANS, Plan, Radius, amsp, dp, mics, radius, zero1, zero2, zero3, zeropp
+from zerojax.plan import PLANS, Diloco, Plan, Radius, amsp, diloco, dp, mics, radius, zero1, zero2, zero3, zeropp
 from zerojax.scan_layers import scan_layers
 from zerojax.radius_sync import RadiusState
 from zerojax.train_state import TrainState
@@ -12,6 +12,6 @@ from zerojax.unit import ShardedUnit, unit
 
 __all__ = [
     "Executor", "Model", "RadiusState", "StepMetrics", "TrainState", "Layout", "LeafLayout",
-    "initialize_distributed", "make_mesh", "PLANS", "Plan", "Radius", "amsp", "dp", "mics", "radius", "zero1",
+    "initialize_distributed", "make_mesh", "PLANS", "Plan", "Radius", "Diloco", "amsp", "diloco", "dp", "mics", "radius", "zero1",
     "zero2", "zero3", "zeropp", "ShardedUnit", "unit", "scan_layers", "from_linen", "from_nnx", "linen_rngs",
 ]

@@ -68,8 +68,10 @@ def main(argv=None) -> None:
   parser.add_argument("--model_bytes", type=float, default=None, help="model size M in bytes (--hlo)")
   parser.add_argument("--json", action="store_true", help="print JSON with every collective instead of the table")
   parser.add_argument("--dump_hlo", default=None, help="also write the compiled step's HLO here (--gin_file)")
-  parser.add_argument("--phase", choices=("dense", "select", "sparse"), default=None,
-                      help="with Radius (replica_sync=@radius()): the step to account for (default sparse)")
+  parser.add_argument("--phase", default=None,
+                      help="the step to account for: with Radius (replica_sync=@radius()) dense, select or sparse "
+                      "(default sparse); with DiLoCo (outer_sync=@diloco()) dense (an inner step, the default) "
+                      "or outer<f> (fragment f's sync)")
   args = parser.parse_args(argv)
   if args.hlo and args.mesh is None:
     parser.error("--hlo needs --mesh NODESxGPUS, e.g. --mesh 2x4")
@@ -95,8 +97,9 @@ def main(argv=None) -> None:
     if ex.mesh.size != nodes * gpus:
       raise SystemExit(f"error: the mesh is {dict(ex.mesh.shape)}, not {nodes}x{gpus}; run with exactly "
                        f"{nodes * gpus} devices")
-    if args.phase and ex.plan.sync.replica_sync is None and args.phase != "dense":
-      raise SystemExit(f"error: --phase {args.phase} needs a plan with replica_sync=@radius()")
+    phases = ("dense",) + tuple(p for c in ex.stateful.values() for p in c.phases)
+    if args.phase and args.phase not in phases:
+      raise SystemExit(f"error: --phase {args.phase}: this plan's steps are {phases}")
     phase = args.phase or ("sparse" if ex.plan.sync.replica_sync is not None else "dense")
     text = step_hlo(ex, (ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1), phase=phase)
     if args.dump_hlo:
@@ -113,12 +116,31 @@ def main(argv=None) -> None:
                       "accum_steps": ex.accum_steps,
                       "batch_size": train_args["batch_size"], "seq_len": cfg.seq_len}}
     out.update(step_report(ex, step_collectives(ex, hlo_text=text)))
+    if ex.plan.sync.outer_sync is not None:
+      out["outer_sync"] = _outer_sync(ex, (ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1))
     if not args.json:  # the table's head names the plan and its label
       shown = name if name == tag else f"{name} = {tag}"
       print(render_table({**out, "config": {**out["config"], "plan": shown}}))
+      if "outer_sync" in out:
+        o = out["outer_sync"]["cross_node_bytes_per_device"]
+        print(f"DiLoCo across nodes, bytes per device: inner step {o['inner_step']:,.0f}; outer syncs "
+              f"{', '.join(f'{b:,.0f}' for b in o['outer_steps'])}; per step on average {o['per_step_mean']:,.0f}")
       return
   json.dump(out, sys.stdout, indent=2)
   sys.stdout.write("\n")
+
+
+def _outer_sync(ex, batch_shape) -> dict:
+  """DiLoCo (`outer_sync`): cross-node bytes per device of an inner step and of each fragment's sync step,
+  from their compiled programs, and their mean over a window of `every` steps."""
+  d = ex.plan.sync.outer_sync
+  cross = lambda phase: sum(c.count * c.cross_node_bytes_per_device
+                            for c in step_collectives(ex, hlo_text=step_hlo(ex, batch_shape, phase=phase)))
+  inner = cross("dense")
+  outer = [cross(f"outer{f}") for f in range(d.fragments)]
+  return {"every": d.every, "fragments": d.fragments, "bits": d.bits,
+          "cross_node_bytes_per_device": {"inner_step": inner, "outer_steps": outer,
+                                          "per_step_mean": (inner * (d.every - d.fragments) + sum(outer)) / d.every}}
 
 
 def _wire_formats(plan) -> dict:

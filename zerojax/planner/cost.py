@@ -38,13 +38,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from zerojax.plan import Radius
+from zerojax.plan import Diloco, Radius
 from zerojax.planner.space import Point
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 # Radius's replica all-reduce over a window of `period` steps, as a fraction of the dense one: one dense
 # select step, then `density` of the values on the others (the planner uses Radius's defaults).
 RADIUS_PERIOD_FRACTION = (1 + (Radius.period - 1) * Radius.density) / Radius.period
+# DiLoCo's outer sync (the planner uses diloco()'s defaults): once every `every` steps.
+DILOCO_EVERY = Diloco.every
 
 
 def group_key(k: int, stride: int) -> str:
@@ -124,7 +126,8 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
   §3.3); qgZ and the 16-bit reduction are the two-hop all-to-all (inside the node, then v/G across
   nodes; ZeRO++ §3.3) of quantized or 16-bit words; the 16-bit reduction also halves T_os^0 (where the
   backend reduces 16-bit words: XLA:CPU widens a 16-bit psum to fp32, `widens_16bit`); Radius
-  sends a `density` fraction of the replica all-reduce on all but one step in `period` (Radius §4.1)."""
+  sends a `density` fraction of the replica all-reduce on all but one step in `period` (Radius §4.1);
+  DiLoCo all-reduces the fp32 outer gradient over the nodes once every `DILOCO_EVERY` steps."""
   world = profile["mesh"]["nodes"] * profile["mesh"]["gpus"]
   p, g, os_ = point.s_p, point.s_g, point.s_os
 
@@ -166,6 +169,8 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
   sync = t("all_reduce", r_psum * phi / os_, world // os_, os_)
   if point.radius:
     sync *= RADIUS_PERIOD_FRACTION
+  if point.diloco:  # DiLoCo: the fp32 outer gradient's all-reduce once every DILOCO_EVERY steps, nothing else
+    sync = t("all_reduce", 4 * phi / os_, world // os_, os_) / DILOCO_EVERY
   t_os0 = t("reduce_scatter", r_psum * phi / g, os_ // g, g) + sync
   t_os1 = t("all_gather", work.param_bytes * phi / p, os_ // p, p)
   total = t_p + t_g + t_os0 + t_os1

@@ -52,7 +52,8 @@ def workload(executor, compute_s: float = 0.0, activation_bytes: int = 0) -> Wor
                   np.dtype(executor.plan.reduction.reduce_dtype).itemsize)
 
 
-TECHNIQUES = ("weight_bits", "hpz", "hierarchical", "grad_bits", "grad_format", "reduce16", "radius", "offload")
+TECHNIQUES = ("weight_bits", "hpz", "hierarchical", "grad_bits", "grad_format", "reduce16", "radius", "offload",
+              "diloco")
 
 
 def _row(pt: Point, nodes: int, gpus: int, work: Workload, profile: dict, c: float, c0: float, act: int,
@@ -124,7 +125,7 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
     if prune:
       params = [point_of(r) for r in pareto([row(p) for p in params])]
       grads = [point_of(r) for r in pareto([row(g) for g in grads])]
-    grad_fields = ("grad_bits", "grad_format", "reduce16", "radius")
+    grad_fields = ("grad_bits", "grad_format", "reduce16", "radius", "diloco")
     combos = [row(dataclasses.replace(p, **{k: getattr(g, k) for k in grad_fields})) for p in params for g in grads]
     kept = pareto(combos) if prune else combos
     have = {point_of(r) for r in kept}

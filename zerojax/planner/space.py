@@ -46,7 +46,7 @@ import itertools
 from zerojax import mesh as mesh_lib
 from zerojax.comm import formats
 from zerojax.mesh import AXES
-from zerojax.plan import Plan, radius
+from zerojax.plan import Plan, diloco, radius
 from zerojax.plan_values import Reduction
 
 BLOCK = 256  # elements per qwZ/qgZ quantization block (the Plan defaults)
@@ -117,6 +117,7 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
                          block, "rot", "ef" (LoCo §3's error feedback), "sr" (stochastic rounding)
     grads(bfloat16,...)  `reduce_dtype` other than float32, and `reduce_via` where it overrides "auto"
     offload(opt_state,master)  the fields kept in host memory (ZeRO-Offload §4; `Sharding.offload`)
+    diloco(H=,F=,int4)   DiLoCo's outer sync across nodes: every, fragments, outer-gradient bits
     radius(d=,T=,dense=)  Radius §4's (Algorithm 1) sparse replica sync: density, period, dense steps
   """
   out = []
@@ -145,6 +146,11 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
                 SHORT_DTYPES.get(dtype, dtype) + "grad" + f"-{via}" * moved))
   if f["offload"]:
     out.append((f"offload({','.join(f['offload'])})", "offload"))
+  d = f["outer_sync"]
+  if d is not None:
+    bits = f",int{d.bits}" if d.bits else ""
+    frags = f",F={d.fragments}" if d.fragments > 1 else ""
+    out.append((f"diloco(H={d.every}{frags}{bits})", "diloco"))
   r = f["replica_sync"]
   if r is not None:
     dense = f",dense={r.dense_steps}" if r.dense_steps else ""
@@ -171,7 +177,8 @@ class Point:
   Techniques: `weight_bits` qwZ (None, 8, 4); `hpz` hpZ's in-node secondary shard; `hierarchical` the
   MiCS gather for a parameter group that spans nodes (False: flat); `grad_bits` qgZ (None, 8, 4, or
   (intra, inter) per hop), or `grad_format` qgZ's hops in a named wire format ("float8_e4m3fn");
-  `reduce16` 16-bit gradient reduction; `radius` Radius's replica sync; `offload` the master weights and
+  `reduce16` 16-bit gradient reduction; `radius` Radius's replica sync; `diloco` DiLoCo's outer sync
+  across nodes (`diloco()`'s defaults; MiCS with one node per group); `offload` the master weights and
   optimizer states in host memory (`Sharding.offload`: device memory for host-link time)."""
   s_p: int
   s_g: int
@@ -185,6 +192,7 @@ class Point:
   intra: tuple[int, int, int] | None = None
   grad_format: str | None = None
   offload: bool = False
+  diloco: bool = False
 
   @property
   def base(self) -> Point:
@@ -207,8 +215,8 @@ class Point:
 
   @property
   def lossy(self) -> bool:
-    """int4 weights or Radius: allowed only with `auto.lossy = True`."""
-    return self.weight_bits == 4 or self.radius
+    """int4 weights, Radius or DiLoCo: allowed only with `auto.lossy = True`."""
+    return self.weight_bits == 4 or self.radius or self.diloco
 
   def meshes(self, gpus: int) -> tuple[tuple[int, int], ...]:
     """((s_p^0, s_p^1), (s_g^0, s_g^1), (s_os^0, s_os^1))."""
@@ -243,6 +251,8 @@ class Point:
       kw["replica_sync"] = radius()
     if self.offload:
       kw["offload"] = OFFLOAD
+    if self.diloco:
+      kw["outer_sync"] = diloco()
     return kw
 
   def plan(self, nodes: int, gpus: int, **fields) -> Plan:
@@ -271,8 +281,11 @@ def grad_options(pt: Point, world: int, gpus: int, lossy: bool = False) -> list[
   qgz = [dict(grad_bits=b) for b in bits] + ([dict(grad_format="float8_e4m3fn")] if pt.s_g > 1 else [])
   rad = (False, True) if lossy and pt.s_os < world else (False,)
   reductions = [{}] + qgz + [dict(reduce16=True)]  # qgZ is its own reduction: no 16-bit with it
-  plain = dict(grad_bits=None, grad_format=None, reduce16=False)
-  return [{**plain, **red, "radius": r} for red in reductions for r in rad]
+  plain = dict(grad_bits=None, grad_format=None, reduce16=False, diloco=False)
+  out = [{**plain, **red, "radius": r} for red in reductions for r in rad]
+  if lossy and pt.s_os == gpus < world and pt.intra is None:  # DiLoCo over MiCS with one node per group
+    out += [{**plain, **red, "radius": False, "diloco": True} for red in reductions]
+  return out
 
 
 def with_techniques(pt: Point, nodes: int, gpus: int, lossy: bool = False) -> list[Point]:
