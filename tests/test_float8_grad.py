@@ -105,7 +105,7 @@ def test_the_planner_ranks_float8_hops_beside_int8_and_labels_them():
 
   z3 = space.Point(8, 8, 8)
   options = space.grad_options(z3, world=8, gpus=4)
-  assert {"grad_bits": None, "grad_format": FP8, "reduce16": False, "radius": False} in options
+  assert {"grad_bits": None, "grad_format": FP8, "reduce16": False, "radius": False, "diloco": False} in options
   fp8 = space.Point(8, 8, 8, grad_format=FP8)
   assert fp8.name(8) == "zero3+qgzfp8" and fp8.quantized and not fp8.lossy
   plan = fp8.plan(2, 4)

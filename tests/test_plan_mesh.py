@@ -56,5 +56,5 @@ def test_memory_report_matches_plan(name):
   assert exp["opt_shard_degree"] == degree
   assert exp["master"] == n * 4 // degree and exp["optimizer"] == 2 * n * 4 // degree
   assert exp["params"] == n * 2 // exp["param_shard_degree"]
-  assert rep["measured"] == {"master": exp["master"], "optimizer": exp["optimizer"]}
+  assert rep["measured"] == {"master": exp["master"], "optimizer": exp["optimizer"], "host": 0} and exp["host"] == 0
   assert exp["hpz_secondary"] == (n * 2 // 4 if name == "zeropp" else 0)

@@ -99,16 +99,21 @@ def test_quantization_compute_is_charged():
 
 
 def test_lossy_switch():
-  """Radius and int4 weights are ranked only with lossy=True; where the replica all-reduce dominates
-  (accumulation 4, slow links) the lossy search takes Radius, the default search cannot."""
+  """Radius, DiLoCo and int4 weights are ranked only with lossy=True; where the replica all-reduce
+  dominates (accumulation 4, slow links) the lossy search takes DiLoCo (the outer gradient once every H
+  steps), and Radius is ranked above every safe plan too; the default search can take neither."""
   work = dataclasses.replace(WORK, accum=4)
   safe = planner.rank(2, 4, work, slow_links(), techniques=True)
   lossy = planner.rank(2, 4, work, slow_links(), techniques=True, lossy=True)
-  assert not any(r["radius"] or r["weight_bits"] == 4 for r in safe)
+  assert not any(r["radius"] or r["diloco"] or r["weight_bits"] == 4 for r in safe)
   assert any(r["weight_bits"] == 4 for r in lossy)
-  assert lossy[0]["radius"] and lossy[0]["T_step"] < safe[0]["T_step"]
+  assert lossy[0]["diloco"] and lossy[0]["T_step"] < safe[0]["T_step"]
+  best_radius = next(r for r in lossy if r["radius"])
+  assert best_radius["T_step"] < safe[0]["T_step"]
   assert not any(p.lossy for p in planner.plan_space(2, 4, techniques=True))
-  assert planner.solve.point_of(lossy[0]).plan(2, 4).sync.replica_sync is not None
+  assert planner.solve.point_of(lossy[0]).plan(2, 4).sync.outer_sync is not None
+  assert planner.solve.point_of(best_radius).plan(2, 4).sync.replica_sync is not None
+  assert all(r["s_os"] == 4 and r["s_p"] <= 4 for r in lossy if r["diloco"])  # MiCS with one node per group
 
 
 @pytest.mark.parametrize("lossy", [False, True])

@@ -57,12 +57,24 @@ def test_a_plan_without_state_has_no_component():
   assert all(memory_report(ex)["expected"][kind.name] == 0 for kind in STATEFUL)
 
 
-@pytest.mark.slow  # each component alone in the fast suite: test_radius.py, test_fidelity.py
-def test_components_declare_their_state_consistently(both):
+@pytest.fixture(scope="module")
+def outer():
+  """DiLoCo's outer sync (it does not combine with Radius: its own executor), with qgZ's error feedback."""
+  plan = plans.mics(outer_sync=plans.diloco(every=2), grad_bits=8, grad_error_feedback=True, pad_multiple=3)
+  ex = zerojax.Executor(helpers.tiny_gpt(), optax.adamw(1e-3), plan, zerojax.make_mesh(2, 4), accum_steps=2)
+  return ex, ex.init(jax.random.key(0))
+
+
+def test_every_kind_is_checked_below(both, outer):
+  assert set(both[0].stateful) | set(outer[0].stateful) == {kind.name for kind in STATEFUL}
+
+
+@pytest.mark.slow  # each component alone in the fast suite: test_radius.py, test_fidelity.py, test_diloco.py
+@pytest.mark.parametrize("which", ["both", "outer"])
+def test_components_declare_their_state_consistently(which, request):
   """Per component: the state's leaves, PartitionSpecs and checkpoint leaves agree; the live shards on a
   device are the bytes it counts; the stored layout round-trips bitwise."""
-  ex, state = both
-  assert sorted(ex.stateful) == sorted(kind.name for kind in STATEFUL)
+  ex, state = request.getfixturevalue(which)
   for name, c in ex.stateful.items():
     held = getattr(state, name)
     leaves = jax.tree.leaves(held)

@@ -46,7 +46,7 @@ import itertools
 from zerojax import mesh as mesh_lib
 from zerojax.comm import formats
 from zerojax.mesh import AXES
-from zerojax.plan import Plan, diloco, radius
+from zerojax.plan import Diloco, Plan, diloco, radius
 from zerojax.plan_values import Reduction
 
 BLOCK = 256  # elements per qwZ/qgZ quantization block (the Plan defaults)
@@ -117,7 +117,8 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
                          block, "rot", "ef" (LoCo §3's error feedback), "sr" (stochastic rounding)
     grads(bfloat16,...)  `reduce_dtype` other than float32, and `reduce_via` where it overrides "auto"
     offload(opt_state,master)  the fields kept in host memory (ZeRO-Offload §4; `Sharding.offload`)
-    diloco(H=,F=,int4)   DiLoCo's outer sync across nodes: every, fragments, outer-gradient bits
+    diloco(H=,F=,int4,lr=,m=)  DiLoCo's outer sync across nodes: every, fragments, outer-gradient bits,
+                         the outer optimizer where it is not DiLoCo's (lr 0.7, momentum 0.9, Nesterov)
     radius(d=,T=,dense=)  Radius §4's (Algorithm 1) sparse replica sync: density, period, dense steps
   """
   out = []
@@ -150,7 +151,10 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
   if d is not None:
     bits = f",int{d.bits}" if d.bits else ""
     frags = f",F={d.fragments}" if d.fragments > 1 else ""
-    out.append((f"diloco(H={d.every}{frags}{bits})", "diloco"))
+    default = Diloco()
+    opt = "".join(f",{k}={getattr(d, f)}" for k, f in (("lr", "lr"), ("m", "momentum"), ("nesterov", "nesterov"))
+                  if getattr(d, f) != getattr(default, f))
+    out.append((f"diloco(H={d.every}{frags}{bits}{opt})", "diloco"))
   r = f["replica_sync"]
   if r is not None:
     dense = f",dense={r.dense_steps}" if r.dense_steps else ""
