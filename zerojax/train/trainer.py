@@ -250,9 +250,12 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
                              f"{step}, loss={loss}); lower the learning rate or check the data")
       first_loss = loss if first_loss is None and finite else first_loss
       eval_loss = evaluate(state) if (eval_every and step % eval_every == 0) or step == steps else None
-      if lead and (step % log_every == 0 or eval_loss is not None):
+      logged = step % log_every == 0 or eval_loss is not None
+      # the skip count is one per replica with DiLoCo: every process joins its sum
+      skipped = int(jnp.sum(state.skipped)) if logged else None
+      if lead and logged:
         rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-               "grad_norm": float(metrics.grad_norm), "skipped": int(jnp.sum(state.skipped))}
+               "grad_norm": float(metrics.grad_norm), "skipped": skipped}
         log.write(rec if eval_loss is None else {**rec, "eval_loss": eval_loss})
       bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_s=f"{dt:.3f}")
       bar.update(1)
