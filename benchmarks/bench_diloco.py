@@ -12,8 +12,8 @@
       [--reps 1] [--out benchmarks/diloco_cluster.json]
       step time and cross-node bytes per step on the emulated 2 x 4 cluster (`benchmarks/cluster.py`:
       one process per node, links shaped with tc; needs root), the systems interleaved per repetition;
-      the window of each DiLoCo run spans whole sync windows, so its figures are means over inner and
-      outer steps. Systems: mics, zeropp, h<H> (DiLoCo over MiCS), h<H>qwz (over MiCS with qwZ).
+      the window of each DiLoCo run starts after its first sync (whose program compiles there) and spans
+      whole sync windows, so its figures are means over inner and outer steps. Systems: mics, zeropp, h<H> (DiLoCo over MiCS), h<H>qwz (over MiCS with qwZ).
 
 Prints the JSON; a run that fails is recorded with its error (never a stop).
 
@@ -118,11 +118,13 @@ def cluster_runs(args) -> dict:
       for name in (systems if rep % 2 == 0 else systems[::-1]):
         gin_file, params = variant_params(name.replace("qwz", "") if name == "micsqwz" else name)
         every = int(re.match(r"h(\d+)", name).group(1)) if name.startswith("h") else 0
-        window = max(every, 10) * (2 if every and every < 20 else 1)  # whole sync windows
-        steps = 2 + window + 2
+        # DiLoCo: the window starts after the first sync (its program compiles there) and spans whole windows
+        start = every + 1 if every else 2
+        window = max(every, 10) * (2 if every and every < 20 else 1)
+        steps = start + window + 2
         argv = [f"--gin_file={gin_file}", *[f"--gin_param={p}" for p in params + ["train.accum_steps=1",
                 "train.eval_every=0", "train.checkpoint_every=0"]],
-                "--rate", rate, "--steps", str(steps), "--from_step", "2", "--to_step", str(2 + window)]
+                "--rate", rate, "--steps", str(steps), "--from_step", str(start), "--to_step", str(start + window)]
         try:
           row = cluster.run(cluster.parser().parse_args(argv))
           row = {k: row[k] for k in ("median_step_time_s", "cross_node_bytes_per_step_per_node",
