@@ -253,6 +253,8 @@ def parameters_help() -> str:
     for f in dataclasses.fields(value):
       if f.name not in skip and f"PLAN.{f.name} = {f.default!r}" not in (r[0] for r in rows):
         rows.append((f"PLAN.{f.name} = {f.default!r}", fields.get(f.name, "")))
+  add("radius", plan_lib.radius, docs=_docs(plan_lib.Radius, "Attributes:"))   # mics.replica_sync = @radius()
+  add("diloco", plan_lib.diloco, docs=_docs(plan_lib.Diloco, "Attributes:"))   # mics.outer_sync = @diloco()
   width = max(len(r[0]) for r in rows) + 2
   body = "\n".join(f"  {a.ljust(width)}{b}".rstrip() for a, b in rows)
   return ("gin parameters (--gin_param='NAME=VALUE'), with their defaults; configs/base.gin sets some of "
