@@ -32,6 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,17 +42,10 @@ import zerojax.plan as plans  # noqa: E402
 from zerojax import gpu_aot  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
+from bench_gpu_step import error_text, spread  # noqa: E402  (the kit's step benchmark: the same figures)
 
 SETTINGS = ((), ("opt_state",), ("opt_state", "master"))
 STATE_BYTES = 18  # per parameter: bf16 weights 2, fp32 gradients 4, master 4, AdamW's moments 8
-
-
-def spread(values) -> dict:
-  return {"median": float(statistics.median(values)), "min": float(min(values)), "max": float(max(values))}
-
-
-def error_text(e: BaseException) -> str:
-  return f"{type(e).__name__}: {str(e).splitlines()[0][:400] if str(e) else ''}"
 
 
 def memory_of(compiled) -> dict | None:

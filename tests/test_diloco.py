@@ -2,8 +2,6 @@
 inner step's program (nothing crosses nodes), per-replica state in checkpoints, and the plan's refusals."""
 from __future__ import annotations
 
-import dataclasses
-import tempfile
 
 import jax
 import jax.numpy as jnp

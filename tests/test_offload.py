@@ -137,7 +137,7 @@ def test_a_backend_without_host_memory_is_refused_in_one_line():
                                        r"offload") as e:
     check_supported(Mesh(), "plan 'zero3': offload=('opt_state',)")
   assert "\n" not in str(e.value)
-  assert not HostOffload() and HostOffload(("opt_state",)).host("opt_state")
+  assert not HostOffload().fields and HostOffload(("opt_state",)).host("opt_state")
 
 
 def test_the_docs_example_builds_the_plans_it_names():

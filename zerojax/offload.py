@@ -11,7 +11,7 @@ copies. The update itself runs on the device: XLA:GPU runs host computations onl
 
 `HostOffload` is the component of `zerojax.components.compile` that decides where each field lives: the
 executor's shardings (`place`), the step (`fetch`, `store`), the checkpoint spec (through the shardings)
-and `zerojax.memory.memory_report` (`host_fields`) ask it; nothing else names a memory kind.
+and `zerojax.memory.memory_report` (`host`) ask it; nothing else names a memory kind.
 
 References:
   ZeRO-Offload: Ren et al. 2021, §4 (what moves to the host), §4.1 (the data flow of one step).
@@ -48,9 +48,6 @@ class HostOffload:
     if offload:
       check_supported(mesh, f"plan {plan.name!r}: offload={offload}")
     return cls(tuple(FIELD[f] for f in offload))
-
-  def __bool__(self) -> bool:
-    return bool(self.fields)
 
   def host(self, field: str) -> bool:
     return field in self.fields
