@@ -283,13 +283,15 @@ def test_emulated_cluster_measures_the_link(tmp_path):
   if why:
     pytest.skip(f"cluster emulator: {why}")
   args = cluster.parser().parse_args(
-      ["--gin_file", "configs/zero3.gin", "--nodes", "2", "--devices", "2", "--steps", "6", "--rate", "1gbit",
+      ["--gin_file", "configs/zero3.gin", "--nodes", "2", "--devices", "2", "--steps", "14", "--rate", "1gbit",
        "--workdir", str(tmp_path / "run"), *[f"--gin_param={p}" for p in TINY_GIN]])
   out = cluster.run(args)
   assert _leftovers() == []
-  assert out["plan"] == "zero3" and out["rate"] == "1gbit" and out["window"]["steps"] == 3
+  assert out["plan"] == "zero3" and out["rate"] == "1gbit" and out["window"]["steps"] == 11
   assert out["median_step_time_s"] > 0 and out["tokens_per_s"] > 0
   assert len(out["links"]) == 2
+  # The counters are read when a step appears in metrics.jsonl, by then the next step's traffic may have begun:
+  # a window of 11 steps keeps that lag (at most about a step per end) within the bounds below on a busy machine.
   # The same step on a 2 x 2 mesh in this process (with configs/base.gin's bf16 parameters on the wire):
   # the link carries what the accounting predicts, plus TCP/IP headers and the coordinator's heartbeats.
   mesh = zerojax.make_mesh(2, 2, devices=jax.devices()[:4])
