@@ -6,8 +6,9 @@
       (group = node) and DiLoCo variants over it; per run the eval losses of metrics.jsonl and the final
       eval loss (summary.json), and its difference from MiCS's. The JSON is rewritten after every run, so
       a stopped sweep keeps what it finished. Variants: mics, h<H> (every=H, fp32), h<H>f<F> (F fragments),
-      h<H>int4 / h<H>int8 (quantized outer gradients), lr<x> / m<y> (outer learning rate, momentum), and
-      combinations, e.g. h10f4int4, h10lr1.0m0.
+      h<H>int4 / h<H>int8 (quantized outer gradients), lr<x> / m<y> (outer learning rate, momentum),
+      ov / ovmix<α> (Streaming DiLoCo's overlap, the mixing factor), and combinations, e.g. h10f4int4,
+      h10lr1.0m0, h10f4ovmix0.
   python benchmarks/bench_diloco.py --cluster [--rates 100mbit,1gbit] [--systems mics,zeropp,h10,h50]
       [--reps 1] [--out benchmarks/diloco_cluster.json]
       step time and cross-node bytes per step on the emulated 2 x 4 cluster (`benchmarks/cluster.py`:
@@ -41,14 +42,16 @@ def variant_params(name: str) -> tuple[str, list[str]]:
     return "configs/mics.gin", []
   if name == "zeropp":
     return "configs/zeropp.gin", []
-  m = re.fullmatch(r"h(\d+)(?:f(\d+))?(int4|int8)?(?:lr([\d.]+))?(?:m([\d.]+))?(qwz)?", name)
+  m = re.fullmatch(r"h(\d+)(?:f(\d+))?(int4|int8)?(?:lr([\d.]+))?(?:m([\d.]+))?(?:ov(?:mix([\d.]+))?)?(qwz)?", name)
   if not m:
-    raise ValueError(f"variant {name!r}: use mics, zeropp or h<H>[f<F>][int4|int8][lr<outer lr>][m<momentum>][qwz], "
-                     "e.g. h10f4int4, h10lr1.0m0")
-  every, frags, bits, lr, mom, qwz = m.groups()
+    raise ValueError(f"variant {name!r}: use mics, zeropp or h<H>[f<F>][int4|int8][lr<outer lr>][m<momentum>]"
+                     "[ov[mix<alpha>]][qwz], e.g. h10f4int4, h10lr1.0m0, h10f4ovmix0")
+  every, frags, bits, lr, mom, mix, qwz = m.groups()
   params = [f"diloco.every={every}", f"diloco.fragments={frags or 1}",
             f"diloco.bits={bits[3:] if bits else None}"]
   params += [f"diloco.lr={lr}"] * bool(lr) + [f"diloco.momentum={mom}"] * bool(mom)
+  if "ov" in name:
+    params += ["diloco.overlap=True"] + [f"diloco.mix={mix}"] * bool(mix)
   return "configs/diloco_mics.gin", params + (["mics.weight_bits=8"] if qwz else [])
 
 

@@ -28,7 +28,9 @@ def run(outer, opt, steps, mesh=MESH, accum=2, plan=None):
 
 def reference(opt, outer, steps, nodes=2, accum=2):
   """Plain JAX: `nodes` independent replicas, each `jax.grad` + `opt` on its node's slice of every global
-  batch, and DiLoCo's outer update (Algorithm 1) on the whole model every `outer.every` steps."""
+  batch, and DiLoCo's outer update (Algorithm 1) on the whole model every `outer.every` steps; with
+  `outer.overlap` (Streaming DiLoCo §2.3, τ = 1) the outer gradient of the replicas a step started from,
+  applied after that step with the replicas keeping `outer.mix` of their weights."""
   model = helpers.tiny_gpt()
   p0 = jax.jit(model.init)(jax.random.key(0))
   loss = lambda p, b: jnp.mean(jax.vmap(lambda t: model.loss(p, t))(b))
@@ -43,13 +45,17 @@ def reference(opt, outer, steps, nodes=2, accum=2):
   outer_p, mom = p0, jax.tree.map(jnp.zeros_like, p0)
   for i, b in enumerate(helpers.batches(steps, accum)):
     rows = b.shape[1] // nodes
+    start = [p for p, _ in reps]
     reps = [inner(p, o, b[:, r * rows:(r + 1) * rows]) for r, (p, o) in enumerate(reps)]
     if outer.fragment_at(i) is not None:
-      delta = jax.tree.map(lambda op, *ps: op - sum(ps) / nodes, outer_p, *[p for p, _ in reps])
+      source = start if outer.overlap else [p for p, _ in reps]
+      delta = jax.tree.map(lambda op, *ps: op - sum(ps) / nodes, outer_p, *source)
       mom = jax.tree.map(lambda m, d: outer.momentum * m + d, mom, delta)
       step = jax.tree.map(lambda d, m: d + outer.momentum * m, delta, mom) if outer.nesterov else mom
       outer_p = jax.tree.map(lambda o, s: o - outer.lr * s, outer_p, step)
-      reps = [(outer_p, o) for _, o in reps]
+      mix = outer.mix if outer.overlap else 0.0
+      reps = [(jax.tree.map(lambda p, q: mix * p + (1 - mix) * q, p, outer_p) if mix else outer_p, o)
+              for p, o in reps]
   return outer_p, [p for p, _ in reps]
 
 
@@ -65,13 +71,18 @@ def test_one_inner_step_with_plain_outer_sgd_is_data_parallel_training():
   assert np.allclose(losses, ref_losses, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("outer", [plans.diloco(every=2), plans.diloco(every=3, momentum=0.5, nesterov=False, lr=0.9)])
-def test_replicas_and_outer_update_match_plain_jax(outer):
-  """H > 1 (clipping and momentum per replica): the executor's replicas after 4 steps equal n independent
-  plain-JAX replicas with the outer update, to float reassociation of the in-node reductions."""
+@pytest.mark.parametrize("outer, steps", [
+    (plans.diloco(every=2), 4), (plans.diloco(every=3, momentum=0.5, nesterov=False, lr=0.9), 4),
+    (plans.diloco(every=2, overlap=True), 5), (plans.diloco(every=2, overlap=True, mix=0.0, momentum=0.5), 4)])
+def test_replicas_and_outer_update_match_plain_jax(outer, steps):
+  """H > 1 (clipping and momentum per replica): the executor's replicas equal n independent plain-JAX
+  replicas with the outer update, to float reassociation of the in-node reductions; with `overlap` the
+  outer gradient of the step's start, applied after it and mixed with the replicas' own weights."""
   opt = helpers.optimizer("sgd")
-  ex, state, _, _ = run(outer, opt, 4)
-  outer_ref, reps = reference(opt, outer, 4)
+  ex, state, _, _ = run(outer, opt, steps)
+  outer_ref, reps = reference(opt, outer, steps)
+  if outer.overlap and outer.mix:  # the replicas differ after a mixed sync: the test would see a no-op
+    assert helpers.max_rel_diff(reps[0], reps[1]) > 1e-4
   for r, want in enumerate(reps):
     got = ex.to_user(jax.tree.map(lambda x, l: zerojax.layout.unflatten_leaf(x[r], l), state.params,
                                   ex.layout.tree()))
@@ -104,6 +115,10 @@ def test_inner_step_crosses_no_node_and_the_outer_step_moves_the_model(bits):
 def test_fragments_sync_their_layers_at_staggered_steps():
   outer = plans.diloco(every=4, fragments=2)
   assert [outer.fragment_at(s) for s in range(8)] == [None, 0, None, 1, None, 0, None, 1]
+  # overlapped: each fragment's outer step runs one inner step later, while its outer gradient crosses nodes
+  late = plans.diloco(every=4, fragments=2, overlap=True)
+  assert [late.fragment_at(s) for s in range(9)] == [None, None, 0, None, 1, None, 0, None, 1]
+  assert [plans.diloco(every=1, overlap=True).fragment_at(s) for s in range(3)] == [None, 0, 0]
   ex = zerojax.Executor(helpers.tiny_gpt(), optax.sgd(0.1), plans.mics(outer_sync=outer), zerojax.make_mesh(*MESH))
   rows = fragment_rows(ex.layout, 2)
   scanned = [i for i, l in enumerate(ex.layout.leaves) if l.layers]
@@ -171,6 +186,8 @@ def test_memory_report_counts_the_outer_state():
     (lambda: plans.diloco(every=0), r"every=0 must be a whole number of inner steps >= 1"),
     (lambda: plans.diloco(every=4, fragments=5), r"fragments=5 must be a whole number in \[1, every=4\]"),
     (lambda: plans.diloco(bits=2), r"bits=2; use None \(fp32 outer gradients\), 8 or 4"),
+    (lambda: plans.diloco(overlap=True, mix=1.0), r"mix=1.0 must be in \[0, 1\) \(Streaming DiLoCo uses 0.5"),
+    (lambda: plans.diloco(overlap=1), r"overlap=1 must be True or False"),
 ])
 def test_bad_settings_are_refused_in_one_line(make, match):
   with pytest.raises(ValueError, match=match) as e:

@@ -230,3 +230,25 @@ def test_one_h100_runs_no_collective_no_quantization_and_the_plain_steps_bytes(p
   assert ex.components.prefetch is False
   ratio = _bytes_accessed(prog) / plain
   assert abs(ratio - 1) <= 0.05, f"bytes accessed {ratio:.3f} x the plain step's"
+
+
+@pytest.mark.slow
+def test_overlapped_outer_gradient_crosses_nodes_while_the_inner_step_computes():
+  """Streaming DiLoCo's overlap (`diloco(overlap=True)`, τ = 1): the outer gradient's all-reduce between
+  nodes waits on nothing the step computes, so the H100 schedule runs the inner step's matmuls while it is
+  in flight; without overlap it waits on the update and nothing overlaps it. Same bytes either way."""
+  from zerojax.analysis.schedule import schedule_from_hlo
+
+  found = {}
+  for overlap in (False, True):
+    gin.clear_config()
+    try:
+      ex, args, cfg = compile_cli.gin_executor(["configs/diloco_mics.gin"], [f"diloco.overlap={overlap}"], "h100", 2, 4)
+      prog, _ = gpu_aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1), phase="outer0")
+    finally:
+      gin.clear_config()
+    cross = [s for s in schedule_from_hlo(prog.as_text(), ex.mesh) if s.collective.cross_node_bytes_per_device]
+    assert len(cross) == 1 and cross[0].collective.op == "all-reduce" and cross[0].is_async, cross
+    found[overlap] = cross[0]
+  assert found[False].matmuls == 0 and found[True].matmuls >= 8, found
+  assert found[True].collective.cross_node_bytes_per_device == found[False].collective.cross_node_bytes_per_device

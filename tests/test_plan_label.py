@@ -1,12 +1,13 @@
 """One label per plan (`zerojax.planner.space.label`): every shipped config gets its own, Radius is named,
 and the planner's stored ids are spelled from the same pieces. Plans only: nothing is built or compiled."""
+import dataclasses
 import os
 
 import gin
 import pytest
 
 from zerojax.mesh import factor, make_mesh
-from zerojax.plan import Plan, amsp, dp, mics, radius, zero3, zeropp
+from zerojax.plan import Plan, amsp, diloco, dp, mics, radius, zero3, zeropp
 from zerojax.planner import auto
 from zerojax.planner.space import Point, label
 from zerojax.train import config, trainer  # noqa: F401  (trainer registers the configurables)
@@ -44,6 +45,10 @@ def test_every_shipped_config_has_its_own_label(config_plans):
   assert labels == CONFIGS, "a config was added or its label changed: list it in CONFIGS"
   assert len(set(labels.values())) == len(labels)
   assert labels["mics_radius"].startswith(labels["mics"] + "+radius(")  # Radius §4 is named, on MiCS
+  plan = config_plans["diloco_mics"]
+  overlapped = dataclasses.replace(plan, sync=dataclasses.replace(
+      plan.sync, outer_sync=diloco(every=10, fragments=4, overlap=True)))
+  assert label(overlapped) == "mics(group=gpu)+diloco(H=10,F=4,overlap(mix=0.5))"
 
 
 def test_resolved_configs_keep_distinct_labels(config_plans):

@@ -10,7 +10,10 @@ fragment f) the outer step runs (`after_update`, DiLoCo Algorithm 1 lines 8–12
     m = μ m + Δ;   θ_outer -= lr (Δ + μ m)  (Nesterov; heavy-ball: lr m)
     θ_replica = θ_outer on every node                 (the inner optimizer states stay each node's own)
 
-for the fragment's layers only (Streaming DiLoCo §2.2). Every node computes the same outer update from the
+for the fragment's layers only (Streaming DiLoCo §2.2). With `overlap` (Streaming DiLoCo §2.3, τ = 1) Δ is
+taken from the replica the *next* step starts from, is all-reduced during that step's forward and backward
+(it depends on nothing the step computes) and applied after its update, the replica keeping α = `mix` of
+its own weights: θ_replica = α θ_replica + (1 - α) θ_outer. Every node computes the same outer update from the
 same all-reduced Δ, so the outer state is the same on every node and is held like the master weights
 inside one node (sharded over A_os, replicated across nodes).
 
@@ -20,7 +23,7 @@ replicas' master weights and optimizer states (stored `[nodes, *logical shape]`)
 the same mesh and restores onto another mesh with the same number of nodes.
 
 References:
-  DiLoCo: Douillard et al. 2023, Algorithm 1, §3. Streaming DiLoCo: Douillard et al. 2025, §2.2, §2.4.
+  DiLoCo: Douillard et al. 2023, Algorithm 1, §3. Streaming DiLoCo: Douillard et al. 2025, §2.2, §2.3, §2.4.
 """
 from __future__ import annotations
 
@@ -107,31 +110,36 @@ class OuterSync(Stateful):
     f = self.diloco.fragment_at(int(state.step))
     return None if f is None else f"outer{f}"
 
-  def after_update(self, own: OuterState, params, phase: str):
+  def after_update(self, own: OuterState, params, phase: str, before):
     """After the inner step's update: DiLoCo's outer step for the fragment `phase` names (the module
-    docstring); other phases leave both as they are."""
+    docstring); other phases leave both as they are. With `overlap` the outer gradient is taken from
+    `before` (the replica after the sync's inner step, which this step started from), so its all-reduce
+    waits on nothing the step computes, and the replica keeps `mix` of its weights."""
     if phase not in self.phases:
       return own, params
     f = self.phases.index(phase)
     own_specs = self.specs()
     replica = jax.tree.map(lambda s: P(self.nodes, *s), own_specs.params, is_leaf=lambda s: isinstance(s, P))
-    step = jax.shard_map(lambda p, o, m: self._outer_step(f, p, o, m), mesh=self.mesh,
-                         in_specs=(replica, own_specs.params, own_specs.momentum),
+    step = jax.shard_map(lambda p, b, o, m: self._outer_step(f, p, b, o, m), mesh=self.mesh,
+                         in_specs=(replica, replica, own_specs.params, own_specs.momentum),
                          out_specs=(replica, own_specs.params, own_specs.momentum), check_vma=False)
-    params, outer, momentum = step(params, own.params, own.momentum)
+    params, outer, momentum = step(params, before if self.diloco.overlap else params, own.params, own.momentum)
     return OuterState(outer, momentum), params
 
-  def _outer_step(self, f: int, params, outer, momentum):
-    """shard_map body: this node's replica `[1, (layers,) c]`, the outer parameters and momentum
-    `[(layers,) c]` of this device's shard -> the three after the outer step of fragment `f`."""
+  def _outer_step(self, f: int, params, source, outer, momentum):
+    """shard_map body: this node's replica `[1, (layers,) c]` after the update, the replica the outer
+    gradient is taken from (the same, or with `overlap` the step's start), the outer parameters and
+    momentum `[(layers,) c]` of this device's shard -> the replica, outer parameters and momentum after
+    the outer step of fragment `f`."""
     d = self.diloco
     p_leaves, treedef = jax.tree.flatten(params)
+    s_leaves = jax.tree.leaves(source)
     o_leaves, m_leaves = jax.tree.leaves(outer), jax.tree.leaves(momentum)
     take = lambda x, rows: x if rows == () else x[np.asarray(rows)]
     picked = [i for i, rows in enumerate(self.rows[f]) if rows is not None]
     if not picked:
       return params, outer, momentum
-    deltas = [take(o_leaves[i], self.rows[f][i]) - take(p_leaves[i][0], self.rows[f][i]) for i in picked]
+    deltas = [take(o_leaves[i], self.rows[f][i]) - take(s_leaves[i][0], self.rows[f][i]) for i in picked]
     mean = _mean_over(deltas, self.moving_nodes, d.bits)
     for i, delta in zip(picked, mean):
       rows = self.rows[f][i]
@@ -139,7 +147,10 @@ class OuterSync(Stateful):
       new = take(o_leaves[i], rows) - d.lr * ((delta + d.momentum * m) if d.nesterov else m)
       put = lambda x, v, rows=rows: v if rows == () else x.at[np.asarray(rows)].set(v)
       o_leaves[i], m_leaves[i] = put(o_leaves[i], new), put(m_leaves[i], m)
-      p_leaves[i] = put(p_leaves[i][0], new)[None]
+      mine = new
+      if d.overlap and d.mix:  # Streaming DiLoCo §2.3: the replica keeps α of the step it took meanwhile
+        mine = d.mix * take(p_leaves[i][0], rows) + (1 - d.mix) * new
+      p_leaves[i] = put(p_leaves[i][0], mine)[None]
     unflat = lambda leaves: jax.tree.unflatten(treedef, leaves)
     return unflat(p_leaves), unflat(o_leaves), unflat(m_leaves)
 

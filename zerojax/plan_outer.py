@@ -3,8 +3,8 @@
 
 References:
   DiLoCo: Douillard et al. 2023, Algorithm 1 (inner steps, the outer gradient, Nesterov momentum), §3.
-  Streaming DiLoCo: Douillard et al. 2025, §2.2 (fragments synced at staggered steps), §2.4 (4-bit
-  outer gradients).
+  Streaming DiLoCo: Douillard et al. 2025, §2.2 (fragments synced at staggered steps), §2.3 (the outer
+  gradient's communication overlapped with inner steps, the mixing factor α), §2.4 (4-bit outer gradients).
 """
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ class Diloco:
   traffic is spread over the window. With `bits` the outer gradient crosses nodes block-quantized (int8
   or int4, blocks of 256 with fp32 scales; Streaming DiLoCo §2.4 uses 4 bits).
 
+  With `overlap` (Streaming DiLoCo §2.3 with τ = 1) a fragment's outer gradient, taken from the replica
+  after the sync's inner step, crosses the nodes during the *next* inner step: the all-reduce depends on
+  nothing that step computes, so it runs while the step's forward and backward do. After that step's update
+  the outer step runs, and each replica keeps `mix` (α) of its own weights: θ_replica = α θ_replica +
+  (1 - α) θ_outer. A sync spanning more than one inner step (τ > 1) is not offered: one step's program
+  holds the whole all-reduce, so τ = 1 already hides it behind a step's compute when it fits there.
+
   Attributes:
     every: inner steps between two syncs of a fragment (DiLoCo's H; the paper uses 500).
     fragments: F, the number of fragments synced at staggered steps (1: the whole model at once).
@@ -34,6 +41,9 @@ class Diloco:
     lr: the outer learning rate (0.7 in DiLoCo).
     momentum: the outer momentum (0.9 in DiLoCo); 0 for plain SGD.
     nesterov: Nesterov momentum (DiLoCo's choice) or heavy-ball.
+    overlap: the outer gradient crosses nodes during the next inner step and is applied after it.
+    mix: with `overlap`, α, the share of its own weights a replica keeps when the outer parameters arrive
+      (Streaming DiLoCo §2.3 uses 0.5); 0 restarts the fragment from the outer parameters.
   """
   every: int = 50
   fragments: int = 1
@@ -41,6 +51,8 @@ class Diloco:
   lr: float = 0.7
   momentum: float = 0.9
   nesterov: bool = True
+  overlap: bool = False
+  mix: float = 0.5
 
   def __post_init__(self):
     if isinstance(self.every, bool) or int(self.every) != self.every or self.every < 1:
@@ -54,6 +66,11 @@ class Diloco:
       raise ValueError(f"diloco lr={self.lr!r} must be > 0 (DiLoCo uses 0.7)")
     if not 0 <= self.momentum < 1:
       raise ValueError(f"diloco momentum={self.momentum!r} must be in [0, 1) (DiLoCo uses 0.9)")
+    if not isinstance(self.overlap, bool):
+      raise ValueError(f"diloco overlap={self.overlap!r} must be True or False")
+    if not 0 <= self.mix < 1:
+      raise ValueError(f"diloco mix={self.mix!r} must be in [0, 1) (Streaming DiLoCo uses 0.5; 1 would never "
+                       "take the outer parameters)")
 
   @property
   def alignment(self) -> int:
@@ -66,8 +83,12 @@ class Diloco:
     return (fragment + 1) * self.every // self.fragments
 
   def fragment_at(self, step: int) -> int | None:
-    """The fragment that syncs after inner step `step` (counted from 0): the one whose offset is
-    (step + 1) mod every; None for a step that syncs nothing."""
+    """The fragment whose outer step inner step `step` (counted from 0) runs: the one whose offset is
+    (step + 1) mod every, or with `overlap` the one of the step before (its outer gradient crosses the nodes
+    during `step`); None for a step that syncs nothing."""
+    step -= int(self.overlap)
+    if step < 0:
+      return None
     for f in range(self.fragments):
       if (step + 1) % self.every == self.offset(f) % self.every:
         return f
@@ -75,6 +96,7 @@ class Diloco:
 
 
 def diloco(every: int = 50, fragments: int = 1, bits: int | None = None, lr: float = 0.7, momentum: float = 0.9,
-           nesterov: bool = True) -> Diloco:
+           nesterov: bool = True, overlap: bool = False, mix: float = 0.5) -> Diloco:
   """DiLoCo's outer optimizer across nodes (see `Diloco`): `mics(outer_sync=diloco(every=50))`."""
-  return Diloco(every=every, fragments=fragments, bits=bits, lr=lr, momentum=momentum, nesterov=nesterov)
+  return Diloco(every=every, fragments=fragments, bits=bits, lr=lr, momentum=momentum, nesterov=nesterov,
+                overlap=overlap, mix=mix)

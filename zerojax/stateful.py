@@ -145,10 +145,12 @@ class Stateful(abc.ABC):
     optimizer's `updates` and the step; `finite` is False on a skipped step (then keep `state`)."""
     return state
 
-  def after_update(self, own, params, phase: str) -> tuple[Any, Any]:
+  def after_update(self, own, params, phase: str, before) -> tuple[Any, Any]:
     """After the optimizer's update (and the skip of a non-finite step), outside the body: the component's
     state and the master weights, which it may replace (DiLoCo's outer step restarts every replica from
-    the outer parameters). Default: both as they are."""
+    the outer parameters). `before` is the master weights the step started from: what depends on them only
+    may run concurrently with the step's forward and backward (Streaming DiLoCo's overlapped outer
+    gradient). Default: both as they are."""
     return own, params
 
   @abc.abstractmethod

@@ -141,6 +141,7 @@ class StepMixin:
     offload = self.components.offload  # offloaded fields come to the device where read, then go back
     host = state
     state = state.replace(params=offload.fetch("params", host.params))  # for step 0's gathers
+    start = state.params  # what the step started from, before any barrier behind the backward
     data = P(None, self.data_axes)
     body_in = {n: c.body_in(getattr(state, n), phase) for n, c in self.stateful.items()}
     out_specs = {n: c.body_out_specs(phase) for n, c in self.stateful.items()}
@@ -168,7 +169,7 @@ class StepMixin:
                         **{n: c.update(getattr(state, n), out[n], updates, state.step, finite, phase)
                            for n, c in self.stateful.items()})
     for n, c in self.stateful.items():  # e.g. DiLoCo's outer step, after the inner update
-      own, params = c.after_update(getattr(new, n), new.params, phase)
+      own, params = c.after_update(getattr(new, n), new.params, phase, before=start)
       new = new.replace(params=params, **{n: own})
     new = new.replace(params=offload.store("params", new.params), opt_state=offload.store("opt_state", new.opt_state))
     return new, StepMetrics(loss, grad_norm, finite, aux)

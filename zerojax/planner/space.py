@@ -117,8 +117,9 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
                          block, "rot", "ef" (LoCo §3's error feedback), "sr" (stochastic rounding)
     grads(bfloat16,...)  `reduce_dtype` other than float32, and `reduce_via` where it overrides "auto"
     offload(opt_state,master)  the fields kept in host memory (ZeRO-Offload §4; `Sharding.offload`)
-    diloco(H=,F=,int4,lr=,m=)  DiLoCo's outer sync across nodes: every, fragments, outer-gradient bits,
-                         the outer optimizer where it is not DiLoCo's (lr 0.7, momentum 0.9, Nesterov)
+    diloco(H=,F=,int4,lr=,m=,overlap(mix=))  DiLoCo's outer sync across nodes: every, fragments,
+                         outer-gradient bits, the outer optimizer where it is not DiLoCo's (lr 0.7, momentum
+                         0.9, Nesterov), Streaming DiLoCo's overlap with the next inner step and its α
     radius(d=,T=,dense=)  Radius §4's (Algorithm 1) sparse replica sync: density, period, dense steps
   """
   out = []
@@ -154,6 +155,7 @@ def technique_names(f: dict) -> list[tuple[str, str]]:
     default = Diloco()
     opt = "".join(f",{k}={getattr(d, f)}" for k, f in (("lr", "lr"), ("m", "momentum"), ("nesterov", "nesterov"))
                   if getattr(d, f) != getattr(default, f))
+    opt += f",overlap(mix={d.mix:g})" if d.overlap else ""
     out.append((f"diloco(H={d.every}{frags}{bits}{opt})", "diloco"))
   r = f["replica_sync"]
   if r is not None:
