@@ -145,10 +145,12 @@ def test_quantized_outer_gradients_stay_within_their_bound(bits, bound):
   assert 0 < helpers.rel_l2(moved(q), moved(fp32)) < bound
 
 
-def test_checkpoint_between_syncs_resumes_bitwise_and_restores_onto_another_mesh(tmp_path):
+@pytest.mark.parametrize("outer", [plans.diloco(every=4), plans.diloco(every=3, overlap=True)])
+def test_checkpoint_between_syncs_resumes_bitwise_and_restores_onto_another_mesh(tmp_path, outer):
   """3 inner steps of H = 4 (the replicas differ), saved, restored, 3 more: bitwise the 6-step run; and
-  the same checkpoint restores onto 2 x 2 devices (as many nodes) with every logical array equal."""
-  outer, opt = plans.diloco(every=4), helpers.optimizer()
+  the same checkpoint restores onto 2 x 2 devices (as many nodes) with every logical array equal. With
+  overlap (H = 3) the checkpoint falls between a sync's inner step and the step that applies it."""
+  opt = helpers.optimizer()
   ex, state, _, _ = run(outer, opt, 3)
   blocks = np.asarray(state.params["blocks"]["fc"]["kernel"])
   assert not np.array_equal(blocks[0], blocks[1])  # between syncs: one replica per node
