@@ -143,15 +143,34 @@ def cluster_runs(args) -> dict:
         if args.out:
           with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-  summary = {}
-  for r in out["runs"]:
-    if "error" not in r:
-      summary.setdefault(r["rate"], {}).setdefault(r["system"], []).append(r["mean_step_time_s"])
-  out["mean_step_time_s"] = {rate: {s: statistics.median(v) for s, v in d.items()} for rate, d in summary.items()}
+  out.update(summarize(out["runs"]))
   if args.out:
     with open(args.out, "w") as f:
       json.dump(out, f, indent=1)
   return out
+
+
+def summarize(runs: list) -> dict:
+  """Per rate and system: the step time's median and spread over the repetitions, the bytes a node sends
+  per step, and the step time over MiCS's and over ZeRO++'s of the same repetition (median and spread)."""
+  from bench_gpu_step import spread
+
+  ok = [r for r in runs if "error" not in r]
+  time_of = {(r["rate"], r["system"], r["rep"]): r["mean_step_time_s"] for r in ok}
+  out = {}
+  for rate in sorted({r["rate"] for r in ok}):
+    for system in dict.fromkeys(r["system"] for r in ok if r["rate"] == rate):
+      mine = [r for r in ok if r["rate"] == rate and r["system"] == system]
+      row = {"mean_step_time_s": spread([r["mean_step_time_s"] for r in mine]),
+             "cross_node_bytes_per_step_per_node": statistics.median(r["cross_node_bytes_per_step_per_node"]
+                                                                     for r in mine), "reps": len(mine)}
+      for base in ("mics", "zeropp"):
+        ratios = [r["mean_step_time_s"] / time_of[(rate, base, r["rep"])] for r in mine
+                  if (rate, base, r["rep"]) in time_of]
+        if ratios and system != base:
+          row[f"over_{base}"] = spread(ratios)
+      out.setdefault(rate, {})[system] = row
+  return {"summary": out}
 
 
 def main(argv=None) -> dict:

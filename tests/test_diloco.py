@@ -224,3 +224,28 @@ def test_train_py_killed_between_syncs_resumes_with_the_uninterrupted_losses(tmp
   rc, out, second, restored = run_train(work, **cfg)
   assert rc == 0 and restored is not None and restored % 6 != 0, out[-3000:]  # resumed between two syncs
   assert second == full[restored:]
+
+
+def test_the_benchmark_spells_its_variants_and_compares_within_each_repetition():
+  """benchmarks/bench_diloco.py: variant names become gin params, and the cluster summary divides each
+  repetition's step time by MiCS's and ZeRO++'s of the same repetition (median and spread)."""
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+  import bench_diloco
+
+  gin_file, params = bench_diloco.variant_params("h10f4int4ovmix0")
+  assert gin_file == "configs/diloco_mics.gin"
+  assert params == ["diloco.every=10", "diloco.fragments=4", "diloco.bits=4", "diloco.overlap=True", "diloco.mix=0"]
+  assert "diloco.overlap=True" not in bench_diloco.variant_params("h10")[1]
+  with pytest.raises(ValueError, match="h10f4ovmix0"):
+    bench_diloco.variant_params("h10x")
+  runs = [{"rate": "1gbit", "system": s, "rep": rep, "mean_step_time_s": t, "cross_node_bytes_per_step_per_node": b}
+          for rep, times in enumerate([(1.0, 0.5, 0.6), (2.0, 1.0, 0.8)])
+          for s, t, b in zip(("mics", "zeropp", "h10"), times, (40, 10, 4))]
+  runs.append({"rate": "1gbit", "system": "h10", "rep": 2, "error": "ClusterError: ..."})
+  row = bench_diloco.summarize(runs)["summary"]["1gbit"]["h10"]
+  assert row["reps"] == 2 and row["mean_step_time_s"] == {"median": 0.7, "min": 0.6, "max": 0.8}
+  assert row["over_mics"] == {"median": pytest.approx(0.5), "min": 0.4, "max": 0.6}
+  assert row["over_zeropp"]["min"] == 0.8 and row["over_zeropp"]["max"] == 1.2
+  assert "over_mics" not in bench_diloco.summarize(runs)["summary"]["1gbit"]["mics"]
