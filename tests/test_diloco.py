@@ -202,7 +202,7 @@ def test_the_docs_example_builds_the_plans_it_names():
   scope = {"zerojax": zerojax}
   for code in code_blocks("Turning it on", "diloco.md"):
     exec(compile(code, "docs/diloco.md", "exec"), scope)
-  assert scope["plan"].sync.outer_sync == plans.diloco(every=50, fragments=4, bits=4)
+  assert scope["plan"].sync.outer_sync == plans.diloco(every=50, fragments=4, bits=4, overlap=True)
 
 
 @pytest.mark.e2e
