@@ -10,11 +10,13 @@
       ov / ovmix<α> (Streaming DiLoCo's overlap, the mixing factor), and combinations, e.g. h10f4int4,
       h10lr1.0m0, h10f4ovmix0.
   python benchmarks/bench_diloco.py --cluster [--rates 100mbit,1gbit] [--systems mics,zeropp,h10,h50]
-      [--reps 1] [--out benchmarks/diloco_cluster.json]
+      [--reps 3] [--out benchmarks/diloco_cluster.json]
       step time and cross-node bytes per step on the emulated 2 x 4 cluster (`benchmarks/cluster.py`:
       one process per node, links shaped with tc; needs root), the systems interleaved per repetition;
       the window of each DiLoCo run starts after its first sync (whose program compiles there) and spans
-      whole sync windows, so its figures are means over inner and outer steps. Systems: mics, zeropp, h<H> (DiLoCo over MiCS), h<H>qwz (over MiCS with qwZ).
+      whole sync windows, so its figures are means over inner and outer steps. Systems: mics, zeropp,
+      h<H> (DiLoCo over MiCS), h<H>qwz (over MiCS with qwZ). `summarize` gives per rate and system the
+      median step time with its spread and the ratios to MiCS and ZeRO++ within each repetition.
 
 Prints the JSON; a run that fails is recorded with its error (never a stop).
 
@@ -182,7 +184,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--variants", default="mics,h5,h10,h20,h50,h10f4,h10int4,h50f4int4")
   ap.add_argument("--systems", default="mics,zeropp,h10,h50,h10qwz")
   ap.add_argument("--rates", default="100mbit,1gbit")
-  ap.add_argument("--reps", type=int, default=1)
+  ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--out", default=None)
   ap.add_argument("--plot", default=None)
   args = ap.parse_args(argv)

@@ -13,6 +13,10 @@ Needs jax's CUDA plugin (`pip install -e '.[gpu-aot]'`); nothing runs on a GPU (
       the "Will it fit?" table with offload: ZeRO-3 on LLaMA-shaped GPTs, with and without
       offload=("opt_state", "master"): device peak and host bytes per GPU from the compiled program beside
       memory_report, and the largest shape that fits each mesh (benchmarks/gpu/offload_fit.json).
+  python benchmarks/bench_gpu_compile.py --diloco_overlap
+      configs/diloco_mics.gin's sync step without and with Streaming DiLoCo's overlap (α = 0.5 and 0):
+      the cross-node all-reduce and the matmuls scheduled while it is in flight
+      (benchmarks/gpu/diloco_overlap.json).
   python benchmarks/bench_gpu_compile.py --remat dots,none --plans zero3,zeropp
       each plan under each remat mode, prefetch off and on, on tests/test_gpu_compile.py's small GPT:
       layer-loop collectives with a matmul between start and done, gathered bytes alive in the layer
@@ -46,6 +50,7 @@ import gin  # noqa: E402
 from zerojax import gpu_aot  # noqa: E402
 from zerojax.analysis import step_report  # noqa: E402
 from zerojax.analysis.collectives import collectives_from_hlo  # noqa: E402
+from zerojax.analysis.schedule import schedule_from_hlo  # noqa: E402
 from zerojax.cli import compile as compile_cli  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,13 +62,14 @@ PLANS = {"zero3": "configs/zero3.gin", "zeropp": "configs/zeropp.gin", "mics": "
 TABLE1 = {"zero3": 3.0, "zeropp": 0.75, "mics": None}  # ZeRO++ Table 1, cross-node volume per step / M
 
 
-def compile_config(config: str, params: list, nodes: int, gpus: int, batch: int | None = None):
+def compile_config(config: str, params: list, nodes: int, gpus: int, batch: int | None = None,
+                   phase: str | None = None):
   gin.clear_config()
   try:
     ex, args, cfg = compile_cli.gin_executor([config], params, "h100", nodes, gpus)
     b = batch or args["batch_size"]
     b = b if b % ex.world == 0 else ex.world
-    prog, seconds = gpu_aot.compile_step(ex, (ex.accum_steps, b, cfg.seq_len + 1))
+    prog, seconds = gpu_aot.compile_step(ex, (ex.accum_steps, b, cfg.seq_len + 1), phase=phase)
     return ex, prog, seconds, b
   finally:
     gin.clear_config()
@@ -92,6 +98,21 @@ def shipped(dump_hlo: str | None = None) -> dict:
                     "overlap: per role, the layer-loop collectives (in_loop) and those with a matmul between "
                     "start and done (overlapped)", "compile_s: measured on a shared 2-core CPU machine (noisy)"],
           "configs": rows}
+
+
+def diloco_overlap() -> dict:
+  """configs/diloco_mics.gin's sync step (phase "outer0") on 2 x 4 H100s, without Streaming DiLoCo's
+  overlap and with it at α = 0.5 and α = 0: each cross-node collective, with what the schedule runs between
+  its start and done."""
+  rows = []
+  for params in ([], ["diloco.overlap=True", "diloco.mix=0.5"], ["diloco.overlap=True", "diloco.mix=0.0"]):
+    ex, prog, seconds, batch = compile_config("configs/diloco_mics.gin", params, 2, 4, phase="outer0")
+    cross = [{**s.to_json(), "cross_node_bytes_per_device": s.collective.cross_node_bytes_per_device}
+             for s in schedule_from_hlo(prog.as_text(), ex.mesh) if s.collective.cross_node_bytes_per_device]
+    rows.append({"gin_params": params, "batch_size": batch, "compile_s": seconds, "cross_node": cross})
+    print(f"{params}: {[(c['op'], c['matmuls_between']) for c in cross]}", file=sys.stderr, flush=True)
+  return {"device": "NVIDIA H100 80GB HBM3 (compile-only)", "mesh": "2x4", "jax": jax.__version__,
+          "config": "configs/diloco_mics.gin", "phase": "outer0", "rows": rows}
 
 
 SMALL = ["model_config.d_model=64", "model_config.seq_len=32", "model_config.num_layers=4", "train.batch_size=8"]
@@ -220,6 +241,8 @@ def main():
   ap.add_argument("--offload", action="store_true", help="the Will-it-fit table with and without offload "
                   "(LLaMA 7B-65B shapes; benchmarks/gpu/offload_fit.json)")
   ap.add_argument("--sizes", default="7B,13B,30B,65B")
+  ap.add_argument("--diloco_overlap", action="store_true", help="DiLoCo's sync step with and without overlap "
+                  "(benchmarks/gpu/diloco_overlap.json)")
   ap.add_argument("--out", default=None)
   ap.add_argument("--dump_hlo", default=None, help="shipped configs: write each scheduled program to DIR/<config>.hlo")
   args = ap.parse_args()
@@ -229,6 +252,9 @@ def main():
   elif args.offload:
     result = offload_table(args.meshes.split(","), args.sizes.split(","))
     out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "offload_fit.json")
+  elif args.diloco_overlap:
+    result = diloco_overlap()
+    out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "diloco_overlap.json")
   elif args.llama:
     result = llama(args.meshes.split(","), args.plans.split(","))
     out = args.out or os.path.join(ROOT, "benchmarks", "gpu", "llama7b.json")
