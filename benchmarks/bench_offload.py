@@ -9,14 +9,17 @@
       median, min and max over repetitions, and the ratio to the same plan without offload (per
       repetition). The losses of every setting are compared with the plan's without offload (bitwise:
       `losses_equal`; recorded, never a stop).
-  python benchmarks/bench_offload.py --fit [--device_bytes B] [--host_bytes B] [--out fit.json]
-      on one device: a GPT whose model states (18 bytes per parameter: bf16 weights, fp32 gradients,
-      master weights and AdamW's two moments) need 1.15 x the device's memory, so it does not fit without
-      offload; the offload setting that fits the device (at most 80% of it) and the host (at most 60% of
-      its memory) is chosen. Runs dp without offload (its error is recorded: out of memory), then with
-      offload, `--steps` steps: losses, ms per step, the compiled program's memory. The GPU kit runs it;
-      `--compile_only h100 --device_bytes B --host_bytes B` compiles both for a compile-only H100 instead
-      (device peak against B: benchmarks/gpu/offload_fit_h100.json).
+  python benchmarks/bench_offload.py --fit [--d_model 4096] [--seq 1024] [--host_bytes B] [--host_fraction 0.85]
+      [--max_probes 6] [--out benchmarks/gpu/offload_fit_run.json]
+      on one device: the largest GPT (d_model fixed, layers searched) that trains with
+      offload=("opt_state", "master") while its offloaded states (12 bytes per parameter) fit
+      `--host_fraction` of the host's memory: the host, not the device, is the limit the search starts
+      from; from there it bisects the layers down to the largest that trains. Every try runs in its own
+      process, so an out-of-memory error releases everything it held. The size found then runs without
+      offload, in its own process too (out of memory where offload was needed). Rows: losses, ms per step,
+      the compiled program's memory (device and host). The GPU kit runs it; `--compile_only h100
+      --device_bytes B --host_bytes B` compiles each try for a compile-only H100 instead (a try fits when
+      the device peak is at most B and the host bytes at most the host's).
 
 Prints one JSON object; `--out` also writes it.
 
@@ -25,9 +28,9 @@ References:
 """
 import argparse
 import json
-import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -117,67 +120,131 @@ def cost(args) -> dict:
           "steps": args.steps, "reps": args.reps, "rows": rows}
 
 
-def fit_size(device_bytes: float, host_bytes: float) -> tuple[int, tuple, float] | None:
-  """(parameters, offload, host bytes it needs) for the --fit model, or None when no setting fits: the
-  states without offload need 1.15 x the device; with offload at most 80% of it stays on the device and
-  at most 60% of the host's memory holds the rest (master weights too where the host has room)."""
-  n = 1.15 * device_bytes / STATE_BYTES
-  for off, host_per in ((("opt_state", "master"), 12), (("opt_state",), 8)):  # the most the host can hold
-    if (STATE_BYTES - host_per) * n <= 0.8 * device_bytes and host_per * n <= 0.6 * host_bytes:
-      return int(n), off, host_per * n
-  return None
+OFFLOADED_BYTES = 12  # per parameter in host memory with offload=("opt_state", "master"): master 4, moments 8
+
+
+def gpt_params(d: int, layers: int, vocab: int = 32000) -> int:
+  """Parameters of the --fit GPT: 12 d^2 per layer, the embedding and the head."""
+  return 12 * d * d * layers + 2 * vocab * d
+
+
+def host_layers(d: int, host_bytes: float, fraction: float) -> int:
+  """The most layers whose offloaded states (`OFFLOADED_BYTES` per parameter) fit `fraction` of the host."""
+  return max(0, int((fraction * host_bytes / OFFLOADED_BYTES - 2 * 32000 * d) // (12 * d * d)))
+
+
+def probe(args, layers: int, setting: tuple) -> dict:
+  """One size and offload setting in its own process (`--fit_probe`): whatever it allocated, an out-of-memory
+  error included, is released with that process. Its row, or its error when it printed none."""
+  cmd = [sys.executable, os.path.abspath(__file__), "--fit_probe", "--layers", str(layers), "--offload",
+         ",".join(setting) or "none", "--d_model", str(args.d_model), "--seq", str(args.seq), "--steps",
+         str(args.steps)]
+  if args.compile_only:
+    cmd += ["--compile_only", args.compile_only, "--device_bytes", str(args.device_bytes), "--host_bytes",
+            str(args.host_bytes)]
+  row = {"layers": layers, "parameters": gpt_params(args.d_model, layers), "offload": list(setting)}
+  t0 = time.perf_counter()
+  try:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.probe_timeout)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("PROBE ")]
+    row.update(json.loads(lines[-1][6:]) if lines else {"ok": False, "error": f"exit {r.returncode}: "
+                                                      + (r.stderr.strip().splitlines() or ["no output"])[-1][:500]})
+  except subprocess.TimeoutExpired:
+    row.update(ok=False, error=f"no result within {args.probe_timeout} s")
+  row["seconds"] = round(time.perf_counter() - t0, 1)
+  return row
+
+
+def largest(hi: int, ok, max_probes: int) -> int:
+  """The largest n in [1, hi] with ok(n) (ok falls from true to false once as n grows), 0 when none: tries
+  hi first (the host's limit), then bisects; at most `max_probes` calls of ok."""
+  lo, probes = 0, 0
+  while hi > lo and probes < max_probes:
+    n = hi if probes == 0 else (lo + hi + 1) // 2
+    probes += 1
+    if ok(n):
+      lo = n
+    else:
+      hi = n - 1
+  return lo
+
+
+def run_one(args) -> dict:
+  """`--fit_probe`: the GPT of `--layers` with `--offload` on one device, in this process: trained `--steps`
+  steps (ok: it trained), or compiled for `--compile_only` (ok: the device peak fits `--device_bytes` and the
+  host's bytes `--host_bytes`)."""
+  setting = () if args.offload == "none" else tuple(args.offload.split(","))
+  dev = gpu_aot.devices(args.compile_only, 1, 1)[0] if args.compile_only else jax.devices()[0]
+  d = args.d_model
+  cfg = GPTConfig(vocab_size=32000, seq_len=args.seq, d_model=d, num_heads=d // 128, num_layers=args.layers)
+  mesh = zerojax.make_mesh(1, 1, devices=[dev])
+  batch = np.random.default_rng(0).integers(0, 32000, (1, 1, args.seq + 1)).astype(np.int32)  # [accum, batch, seq + 1]
+  plan = plans.dp(offload=setting, compute_dtype="bfloat16")
+  out = {}
+  try:
+    if args.compile_only:  # the compiled program's device peak and host bytes against the limits
+      ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000), plan, mesh)
+      mem = gpu_aot.memory(gpu_aot.compile_step(ex, batch.shape)[0])
+      h = mem["host"]
+      host = h["argument"] + h["output"] - h["alias"] + h["temp"]
+      return {"ok": mem["device_peak"] <= args.device_bytes and host <= args.host_bytes, "memory": mem,
+              "host_bytes_used": host}
+    ex, compiled, state = system(plan, cfg, mesh, [batch])
+    out["memory"] = memory_of(compiled)
+    shard, losses, times = ex.shard_batch(batch), [], []
+    for _ in range(args.steps):
+      t0 = time.perf_counter()
+      state, m = compiled(state, shard)
+      losses.append(float(m.loss))
+      times.append(time.perf_counter() - t0)
+    out.update(ok=True, losses=losses, ms_per_step=spread([t * 1e3 for t in times[1:] or times]))
+  except Exception as e:  # noqa: BLE001  (out of memory is the expected outcome of a size over the device)
+    out.update(ok=False, error=error_text(e))
+  return out
 
 
 def fit(args) -> dict:
-  """A model that does not fit one device without offload, trained with it (see the module docstring);
-  with `--compile_only TARGET` compiled for one compile-only GPU instead (`--device_bytes` then needed)."""
+  """The largest GPT (d_model `--d_model`, layers searched) whose states the host holds with
+  offload=("opt_state", "master"), trained on one device (or compiled for `--compile_only`); each try in its
+  own process. The host is the limit: at most `--host_fraction` of its memory holds the offloaded states,
+  and the search starts there; it bisects the layers down to the largest that trains (`--max_probes` tries).
+  The same size without offload then runs in its own process (out of memory where offload was needed)."""
   dev = gpu_aot.devices(args.compile_only, 1, 1)[0] if args.compile_only else jax.devices()[0]
   stats = {} if args.compile_only else dev.memory_stats() or {}
-  device_bytes = args.device_bytes or stats.get("bytes_limit")
-  host_bytes = args.host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  args.device_bytes = args.device_bytes or stats.get("bytes_limit")
+  args.host_bytes = args.host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  off = ("opt_state", "master")
   out = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-         "device_bytes": device_bytes, "host_bytes": host_bytes, "runs": {}}
-  chosen = fit_size(device_bytes, host_bytes) if device_bytes else None
-  if chosen is None:
-    out["error"] = "no offload setting fits this device and host (or the device reports no memory limit)"
+         "device_bytes": args.device_bytes, "host_bytes": args.host_bytes, "host_fraction": args.host_fraction,
+         "d_model": args.d_model, "seq": args.seq, "offload": list(off), "search": []}
+  if args.compile_only and not args.device_bytes:
+    out["error"] = "--compile_only needs --device_bytes (the device's memory to fit)"
     return out
-  n, off, need = chosen
-  d = args.d_model
-  layers = max(1, math.ceil((n - 2 * 32000 * d) / (12 * d * d)))
-  cfg = GPTConfig(vocab_size=32000, seq_len=args.seq, d_model=d, num_heads=d // 128, num_layers=layers)
-  params = 12 * d * d * layers + 2 * 32000 * d
-  out.update(model={"d_model": d, "layers": layers, "seq": args.seq, "parameters": params,
-                    "state_bytes_without_offload": STATE_BYTES * params},
-             offload=list(off), host_bytes_needed=need)
-  mesh = zerojax.make_mesh(1, 1, devices=[dev])
-  batch = np.random.default_rng(0).integers(0, 32000, (1, 1, args.seq + 1)).astype(np.int32)  # [accum, batch, seq + 1]
-  for label, setting in (("without_offload", ()), ("with_offload", off)):
-    run = out["runs"][label] = {"offload": list(setting)}
-    if args.compile_only:  # the kit's model checked before a GPU run: the compiled program's device peak
-      plan = plans.dp(offload=setting, compute_dtype="bfloat16")
-      ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000), plan, mesh)
-      mem = gpu_aot.memory(gpu_aot.compile_step(ex, batch.shape)[0])
-      run.update(memory=mem, fits=mem["device_peak"] <= device_bytes)
-      continue
-    try:
-      ex, compiled, state = system(plans.dp(offload=setting, compute_dtype="bfloat16"), cfg, mesh, [batch])
-      run["memory"] = memory_of(compiled)
-      shard, losses, times = ex.shard_batch(batch), [], []
-      for _ in range(args.steps):
-        t0 = time.perf_counter()
-        state, m = compiled(state, shard)
-        losses.append(float(m.loss))
-        times.append(time.perf_counter() - t0)
-      run.update(trained=True, losses=losses, ms_per_step=spread([t * 1e3 for t in times[1:] or times]))
-      del state
-    except Exception as e:  # noqa: BLE001  (out of memory is the expected outcome without offload)
-      run.update(trained=False, error=error_text(e))
+  hi = host_layers(args.d_model, args.host_bytes, args.host_fraction)
+  out["host_limit_layers"] = hi
+  rows = {}
+  found = largest(hi, lambda layers: rows.setdefault(layers, probe(args, layers, off))["ok"], args.max_probes)
+  out["search"] = list(rows.values())
+  if not found:
+    out["error"] = "no size trained with offload within the probes" if hi else "the host holds no layer"
+    return out
+  best = rows[found]
+  out["largest"] = {"layers": best["layers"], "parameters": best["parameters"],
+                    "host_bytes_of_states": OFFLOADED_BYTES * best["parameters"],
+                    "state_bytes_without_offload": STATE_BYTES * best["parameters"],
+                    "limited_by": "host" if best["layers"] == out["host_limit_layers"] else "device"}
+  out["runs"] = {"with_offload": best, "without_offload": probe(args, best["layers"], ())}
   return out
 
 
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--fit", action="store_true")
+  ap.add_argument("--fit_probe", action="store_true", help="--fit's one try (run by --fit in a process of its own)")
+  ap.add_argument("--offload", default="opt_state,master", help="--fit_probe: the setting (or none)")
+  ap.add_argument("--host_fraction", type=float, default=0.85, help="--fit: of the host's memory, for the states")
+  ap.add_argument("--max_probes", type=int, default=6, help="--fit: sizes tried with offload")
+  ap.add_argument("--probe_timeout", type=float, default=900, help="--fit: seconds for one try")
   ap.add_argument("--plans", default="zero3,mics")
   ap.add_argument("--nodes", type=int, default=2)
   ap.add_argument("--d_model", type=int, default=None)
@@ -194,8 +261,11 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   if args.compile_only:
     gpu_aot.compile_only_host()  # this process's own backend stays the CPU
-  if args.fit:
+  if args.fit or args.fit_probe:
     args.d_model, args.seq = args.d_model or 4096, args.seq or 1024
+    if args.fit_probe:
+      print("PROBE " + json.dumps(run_one(args)))
+      return {}
     result = fit(args)
   else:
     args.d_model, args.seq = args.d_model or 256, args.seq or 64

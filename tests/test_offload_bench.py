@@ -1,0 +1,45 @@
+"""`bench_offload.py --fit`: the search for the largest GPT the host holds with offload, each try in a
+process of its own (the GPU kit's run; tests/test_bench_gpu.py has the cost mode)."""
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load():
+  spec = importlib.util.spec_from_file_location("bench_offload", os.path.join(ROOT, "benchmarks", "bench_offload.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_the_search_starts_at_the_host_limit_and_bisects_to_the_largest_that_trains():
+  bench = load()
+  tried = []
+  ok = lambda n: tried.append(n) or n <= 7
+  assert bench.largest(20, ok, 10) == 7
+  assert tried[0] == 20 and len(tried) <= 6
+  assert bench.largest(20, lambda n: True, 10) == 20  # the host the limit: one try
+  assert bench.largest(20, lambda n: False, 10) == 0
+  # 128 GB of host, 85% of it for 12 bytes per parameter: 43 layers of d_model 4096 (8.92 G parameters)
+  assert bench.host_layers(4096, 128e9, 0.85) == 43
+  assert bench.gpt_params(4096, 43) * 12 <= 0.85 * 128e9 < bench.gpt_params(4096, 44) * 12
+
+
+@pytest.mark.slow
+def test_fit_runs_each_try_in_its_own_process_and_reports_the_host_limit(tmp_path):
+  """A tiny GPT on the CPU, with a host of 125 MB: the host holds 3 layers' states, 3 train with offload,
+  and the same size trains without (CPU memory is not the limit here), in processes of their own."""
+  bench = load()
+  out = tmp_path / "fit.json"
+  result = bench.main(["--fit", "--d_model", "128", "--seq", "16", "--steps", "2", "--host_bytes", "1.25e8",
+                       "--out", str(out)])
+  assert result["host_limit_layers"] == 3
+  assert [r["layers"] for r in result["search"]] == [3] and result["search"][0]["ok"] is True
+  assert result["largest"]["limited_by"] == "host" and result["largest"]["layers"] == 3
+  runs = result["runs"]
+  assert runs["with_offload"]["offload"] == ["opt_state", "master"] and runs["without_offload"]["offload"] == []
+  assert runs["with_offload"]["losses"] == runs["without_offload"]["losses"]
+  assert result["largest"]["host_bytes_of_states"] == 12 * result["largest"]["parameters"] <= 0.85 * 1.25e8
