@@ -3,8 +3,9 @@
 "full" keeps only the unit's inputs and recomputes the whole forward in backward (the unit's
 `custom_vjp` does that itself). "dots" and "none" run the forward under `jax.vjp` of a `jax.checkpoint`
 whose policy saves the unit's *activations*, the values that depend on its non-weight inputs: every one
-("none"), or only the outputs of matmuls without batch dimensions ("dots", the weight matmuls, as
-`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`; attention scores and elementwise ops are
+("none"), or only the outputs of matmuls without batch dimensions and the attention's output ("dots", the
+weight matmuls, as `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`, and the value named
+`ATTENTION`, so a fused attention is not run again; attention scores and elementwise ops are
 recomputed). A value computed from the weights alone (a transpose, a cast, a broadcast of a scale) is
 never saved, and the weights themselves, inputs of the checkpoint, are dropped from the residuals
 (`Saved`): the backward re-gathers them (ZeRO-3, hpZ) and puts them back. So "dots" and "none" trade
@@ -25,11 +26,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 MODES = ("full", "dots", "none")
 ACTIVATION = "zerojax_activation"
+ATTENTION = "attention_out"  # the attention's output (`zerojax.models.attention`): "dots" keeps it
 
 
 def _saveable(eqn, mode: str) -> bool:
   if mode == "none":
     return True
+  if eqn.primitive.name == "name":
+    return eqn.params.get("name") == ATTENTION
   if eqn.primitive.name != "dot_general":
     return False
   (_, _), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]

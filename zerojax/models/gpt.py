@@ -4,7 +4,7 @@ The flax modules are used as pure functions of their parameters; each is wrapped
 the same `loss` runs unsharded (reference) and under any plan of the executor.
 
 References:
-  Radford et al. 2019 (GPT-2): pre-norm decoder blocks.
+  Radford et al. 2019 (GPT-2): pre-norm decoder blocks; the attention is `zerojax.models.attention`.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.model import Model
+from zerojax.models.attention import attention
 from zerojax.scan_layers import scan_layers
 from zerojax.unit import unit
 
@@ -27,6 +28,7 @@ class GPTConfig:
   num_heads: int = 4
   num_layers: int = 4
   mlp_ratio: int = 4
+  attention: str = "auto"  # `zerojax.models.attention.IMPLEMENTATIONS`: cuDNN's fused attention on GPUs
 
 
 class Block(nn.Module):
@@ -40,10 +42,7 @@ class Block(nn.Module):
     h = nn.LayerNorm(name="ln1")(x)
     qkv = nn.Dense(3 * d, name="qkv")(h).reshape(b, t, 3, cfg.num_heads, d // cfg.num_heads)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(d // cfg.num_heads, x.dtype))
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    att = jax.nn.softmax(jnp.where(mask, att.astype(jnp.float32), -1e30), axis=-1).astype(x.dtype)
-    y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
+    y = attention(q, k, v, cfg.attention).reshape(b, t, d)
     x = x + nn.Dense(d, name="proj")(y)
     h = nn.LayerNorm(name="ln2")(x)
     h = nn.Dense(cfg.mlp_ratio * d, name="fc")(h)
