@@ -6,15 +6,17 @@ by the host's default device: a program compiled on a CPU host for GPUs gets Tri
 Every kernel works on a tile of R blocks, i.e. a [R, B] slice of the [M, B] view of the data, and
 computes the format of `pallas_kernels.block_format` with its functions, so that results agree bit for
 bit with the xla backend: scale = absmax * fp32(1 / qmax) rounded up to 16 significant bits, codes the
-exactly rounded |x| / scale (a division's estimate corrected by exact comparisons), value = code *
+exactly rounded |x| / scale (an estimate corrected by exact comparisons), value = code *
 scale, fp32 sums in slab order. When int4
 is involved a tile is split into its even and odd elements (two "lanes" read with stride 2), which
 are exactly the low and high nibbles of the packed bytes; absmax is the max over both lanes, which
 is the same number.
 
-On GPU, the estimate's division and rounding are PTX with explicit round-to-nearest (`div.rn`,
-`cvt.rni`; Pallas has no Triton lowering for `round`), which also makes stochastic rounding's
-`floor(x / scale + u)` match the CPU. Products `code * scale` are exact (16-bit scales), so FMA
+The estimate of a code is rint(|x| * r) with one reciprocal r per block (`rcp.approx` on GPUs, any
+reciprocal within a few ulp serves: `block_format`) and a multiplication per element; its rounding is
+PTX `cvt.rni` on GPUs (Pallas has no Triton lowering for `round`). Stochastic rounding's
+`floor(x / scale + u)` keeps a correctly rounded division per element (`div.rn`), which makes it match
+the CPU. Products `code * scale` are exact (16-bit scales), so FMA
 contraction of the fp32 sums cannot change a bit.
 
 References:
@@ -52,13 +54,17 @@ def _asm(op: str, *args: jax.Array) -> jax.Array:
 
 
 class _Ops:
-  """fp32 division and rounding; `gpu` selects explicit PTX round-to-nearest."""
+  """fp32 division, reciprocal and rounding; `gpu` selects explicit PTX instructions."""
 
   def __init__(self, gpu: bool):
     self.gpu = gpu
 
   def div(self, a, b):
     return _asm("div.rn.f32", a, b) if self.gpu else a / b
+
+  def rcp(self, a):
+    """A reciprocal within one ulp (`rcp.approx` on GPUs: one instruction); taken once per block."""
+    return _asm("rcp.approx.ftz.f32", a) if self.gpu else 1.0 / a
 
   def rint(self, a):
     return _asm("cvt.rni.f32.f32", a) if self.gpu else jnp.round(a)
@@ -114,10 +120,11 @@ def _quant(xs, bits: int, ops: _Ops, us=None):
     amax = m if amax is None else jnp.maximum(amax, m)
   scale = block_format.scale_of(amax, bits)
   s = scale[:, None]
+  inv = block_format.inverse_scale(scale, ops.rcp)[:, None] if us is None else None
   codes = []
   for i, x in enumerate(xs):
-    if us is None:
-      q = block_format.nearest_codes(x, s, bits, ops.rint(ops.div(jnp.abs(x), jnp.broadcast_to(s, x.shape))))
+    if us is None:  # the estimate: a product per element, corrected exactly (block_format)
+      q = block_format.nearest_codes(x, s, bits, ops.rint(jnp.abs(x) * inv))
     else:
       q = block_format.stochastic_codes(ops.floor(ops.div(x, jnp.broadcast_to(s, x.shape)) + us[i]), s, bits)
     codes.append(q.astype(jnp.int32))

@@ -3,8 +3,9 @@
 The successor of the Pallas Triton lowering that jax 0.11 deprecates (docs/mosaic_gpu.md). The same
 format and arithmetic as `pallas_kernels.block_format` (its functions, traced into the kernel): scale =
 up16(absmax * fp32(1 / 127)), 0 below 2^-125; codes = the estimate rint(|x| / s) corrected by exact
-midpoint comparisons. Mosaic GPU emits `div.full.f32` (not correctly rounded) for the estimate; the
-correction makes the codes exact all the same, so the bits equal the xla backend's.
+midpoint comparisons. The estimate is rint(|x| * r) with one reciprocal r per row (Mosaic GPU divides
+with `div.full.f32`, not correctly rounded, once per row); the correction makes the codes exact all the
+same, so the bits equal the xla backend's.
 
 Shape of the kernels: `plgpu.kernel` (the API of jax 0.10.2 to 0.12; `pl.pallas_call` has no Mosaic GPU
 lowering from jax 0.11.2 on), one CTA of one warpgroup per 64 rows (blocks), lowered with Lane
@@ -138,10 +139,12 @@ def _quantize_body(x_gmem, v_gmem, s_gmem, x_smem, v_smem, s_smem, barrier, *, b
     m = jnp.max(jnp.where(x != x, jnp.inf, jnp.abs(x)), axis=1)
     amax = m if amax is None else jnp.maximum(amax, m)
   scale = block_format.scale_of(amax, bits)
+  inv = block_format.inverse_scale(scale)  # one reciprocal per row; a product per element below
   for cols in columns:
     x = x_smem[:, cols].astype(jnp.float32)
     s = lax.broadcast_in_dim(scale, x.shape, (0,))
-    codes = block_format.nearest_codes(x, s, bits, estimate=jnp.round(jnp.abs(x) / s))
+    estimate = jnp.round(jnp.abs(x) * lax.broadcast_in_dim(inv, x.shape, (0,)))
+    codes = block_format.nearest_codes(x, s, bits, estimate=estimate)
     v_smem[:, cols] = codes.astype(jnp.int8)
   s_smem[...] = scale
   plgpu.commit_smem()

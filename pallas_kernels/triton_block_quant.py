@@ -2,8 +2,9 @@
 
 The same operations and the same arithmetic as `pallas_kernels.block_quant` and the reference in
 `zerojax.quantization` (the format of `pallas_kernels.block_format`, written again in Triton): scale =
-absmax * fp32(1 / qmax) rounded up to 16 significant bits, codes the exactly rounded |x| / scale,
-value = code * scale (exact), fp32 sums in slab order. Each program
+absmax * fp32(1 / qmax) rounded up to 16 significant bits, codes the exactly rounded |x| / scale
+(the estimate rint(|x| * r), one `rcp.approx` r per block and a multiplication per element, corrected
+by exact comparisons), value = code * scale (exact), fp32 sums in slab order. Each program
 handles ROWS blocks of B elements; int4 tiles are handled as even/odd lanes (the low/high nibbles).
 The reordering of qgZ is a row map: output row (s, g, n, j) reads input row (n, g, s, j), so the
 fused kernel costs what a plain quantization of contiguous data costs.
@@ -45,7 +46,7 @@ _TILE = 1 << 12
 
 # Bound by `_kernels()` once triton is importable.
 tl = libdevice = None
-_abs_or_inf = _scale = _codes = _load_lane = _store_lane = _store_codes = None
+_abs_or_inf = _scale = _inverse = _codes = _load_lane = _store_lane = _store_codes = None
 
 
 def require_jax_triton() -> None:
@@ -129,7 +130,8 @@ def _kernels():
   Triton resolves the names a kernel uses in its module's globals, so the lazily imported modules
   and the helper kernels are bound there.
   """
-  global tl, libdevice, TRIM_ADD, TRIM_MASK, MIN_SCALE, _abs_or_inf, _scale, _codes, _load_lane, _store_lane, _store_codes
+  global tl, libdevice, TRIM_ADD, TRIM_MASK, MIN_SCALE, R8, R4, _abs_or_inf, _scale, _inverse, _codes
+  global _load_lane, _store_lane, _store_codes
   import triton
   import triton.language as tl
   try:
@@ -138,6 +140,7 @@ def _kernels():
     from triton.language.extra.cuda import libdevice
   TRIM_ADD, TRIM_MASK = tl.constexpr(block_format.TRIM_ADD), tl.constexpr(block_format.TRIM_MASK)
   MIN_SCALE = tl.constexpr(block_format.MIN_SCALE)
+  R8, R4 = tl.constexpr(block_format.reciprocal(8)), tl.constexpr(block_format.reciprocal(4))
 
   @triton.jit
   def _abs_or_inf(x):
@@ -145,18 +148,25 @@ def _kernels():
 
   @triton.jit
   def _scale(amax, QMAX: tl.constexpr):
-    # block_format.scale_of: up16(amax * fp32(1 / qmax)), 0 below 2^-125.
-    r = tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.full(amax.shape, QMAX, tl.float32))
+    # block_format.scale_of: up16(amax * fp32(1 / qmax)), 0 below 2^-125 (R8, R4: fp32 constants, exact).
+    r = R4 if QMAX == 7.0 else R8
     b = ((amax * r).to(tl.uint32, bitcast=True) + TRIM_ADD) & TRIM_MASK
     s = b.to(tl.float32, bitcast=True)
     return tl.where(s >= MIN_SCALE, s, 0.0)
 
   @triton.jit
-  def _codes(x, scale, ok, QMAX: tl.constexpr):
-    # block_format.nearest_codes: the estimate rint(|x| / s) corrected by exact midpoint comparisons.
+  def _inverse(scale, ok):
+    # block_format.inverse_scale: one rcp.approx (within one ulp) per block, 0 where the scale is not usable.
+    r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [tl.where(ok, scale, 1.0)],
+                                  dtype=tl.float32, is_pure=True, pack=1)
+    return tl.where(ok, r, 0.0)
+
+  @triton.jit
+  def _codes(x, scale, inv, ok, QMAX: tl.constexpr):
+    # block_format.nearest_codes: the estimate rint(|x| * r) corrected by exact midpoint comparisons.
     s = scale[:, None]
     a = tl.abs(x)
-    k = tl.minimum(tl.maximum(libdevice.rint(tl.div_rn(a, s)), 0.0), QMAX)
+    k = tl.minimum(tl.maximum(libdevice.rint(a * inv[:, None]), 0.0), QMAX)
     half = s * 0.5
     lo = (k + k - 1.0) * half
     hi = (k + k + 1.0) * half
@@ -214,10 +224,11 @@ def _kernels():
       amax = tl.maximum(amax, tl.max(_abs_or_inf(x1), axis=1))
     scale = _scale(amax, QMAX)
     ok = (scale > 0) & (scale < float("inf"))
-    q0 = _codes(x0, scale, ok, QMAX)
+    inv = _inverse(scale, ok)
+    q0 = _codes(x0, scale, inv, ok, QMAX)
     q1 = q0
     if TWO == 2:
-      q1 = _codes(x1, scale, ok, QMAX)
+      q1 = _codes(x1, scale, inv, ok, QMAX)
     _store_codes(v_ptr, r, cols, q0, q1, BITS, B // TWO, TWO)
     tl.store(s_ptr + r, scale)
 
@@ -253,10 +264,11 @@ def _kernels():
         amax = tl.maximum(amax, tl.max(_abs_or_inf(acc1), axis=1))
       scale = _scale(amax, QMAX)
       ok = (scale > 0) & (scale < float("inf"))
-      q0 = _codes(acc0, scale, ok, QMAX)
+      inv = _inverse(scale, ok)
+      q0 = _codes(acc0, scale, inv, ok, QMAX)
       q1 = q0
       if TWO == 2:
-        q1 = _codes(acc1, scale, ok, QMAX)
+        q1 = _codes(acc1, scale, inv, ok, QMAX)
       OBP: tl.constexpr = B // 2 if OUT_BITS == 4 else B
       _store_codes(o_ptr, r, cols, q0, q1, OUT_BITS, OBP, TWO)
       tl.store(os_ptr + r, scale)

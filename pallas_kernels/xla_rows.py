@@ -26,7 +26,8 @@ def quantize_rows(x_MxB: jax.Array, bits: int, rotate: bool = False,
   scale_M = block_format.scale_of(amax_M, bits)
   s = scale_M[:, None]
   if noise is None:
-    q = block_format.nearest_codes(x, s, bits, estimate=jnp.round(jnp.abs(x) / s))
+    inv = block_format.inverse_scale(scale_M)[:, None]  # one reciprocal per block, a product per element
+    q = block_format.nearest_codes(x, s, bits, estimate=jnp.round(jnp.abs(x) * inv))
   else:
     q = block_format.stochastic_codes(jnp.floor(x / s + noise), s, bits)
   return q.astype(jnp.int32), scale_M

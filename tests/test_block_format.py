@@ -133,3 +133,148 @@ def test_gpu_backends_equal_the_numpy_model(backend, bits, dtype):
   for seed in (0, 1):
     _check(backend, bits, hard_data(seed), dtype)
     _check(backend, bits, tie_blocks(bits, seed), dtype)
+    _check(backend, bits, adversarial_blocks(bits, seed), dtype)
+
+
+# --- the estimate: one reciprocal per block, a product per element, an exact correction -------------
+
+def adversarial_blocks(bits: int, seed: int = 0) -> np.ndarray:
+  """[M, BLOCK] fp32 blocks where a cheap estimate of |x| / s is most likely off: every element exactly
+  on a midpoint (k + 1/2) s or one ulp beside it, over all k; blocks of +-absmax only (|x| / s a hair
+  above qmax where fl(absmax * R) rounded down onto a 16-bit number, the clamp); scales at 2^-125 and
+  just below it (stored as 0), subnormal elements beside a normal absmax; absmax near the largest fp32;
+  zero, -0, NaN and inf blocks."""
+  rng = np.random.default_rng(seed)
+  qmax = block_format.qmax_of(bits)
+  f32 = np.float32
+  rows = []
+
+  def on_midpoints(amax, nudge):
+    _, s = model(np.full((1, BLOCK), amax, f32), bits)
+    k = np.arange(BLOCK - 1) % qmax
+    x = ((2 * k + 1).astype(f32) * (s[0] * f32(0.5))).astype(f32)
+    if nudge:
+      x = np.nextafter(x, f32(np.inf) if nudge > 0 else f32(0))
+    x = np.where(np.arange(BLOCK - 1) % 2 == 1, -x, x)
+    return np.concatenate([[f32(amax)], x]).astype(f32)
+
+  for amax in [f32(1.0), f32(qmax), f32(3.0e38), f32(2.0 ** -125 * qmax * 1.01),
+               *(rng.random(24).astype(f32) + f32(0.5)) * f32(2.0) ** rng.integers(-100, 100, 24).astype(f32)]:
+    rows += [on_midpoints(amax, nudge) for nudge in (-1, 0, 1)]
+  # +-absmax blocks: absmax = qmax * m * 2^e (m of 16 bits) and up to 3 ulp above, so that fl(absmax * R)
+  # lands on or beside a 16-bit number; kept: 32 where |x| / s > qmax (int8 only: 127 R = 1 - 2^-28 < 1,
+  # while 7 R > 1 keeps int4's quotients <= 7), and 32 others.
+  m = rng.integers(1 << 15, 1 << 16, 20000).astype(np.float64) * 2.0 ** rng.integers(-60, 60, 20000)
+  a = np.stack([(m * qmax).astype(f32)] * 4)
+  for i in range(1, 4):
+    a[i] = np.nextafter(a[i - 1], f32(np.inf))
+  a = a.reshape(-1)
+  _, s = model(np.repeat(a[:, None], BLOCK, axis=1), bits)
+  above = a.astype(np.float64) / s > qmax
+  for v in np.concatenate([a[above][:32], a[~above][:32]]):
+    rows.append(np.where(rng.random(BLOCK) < 0.5, -v, v).astype(f32))
+  tiny = f32(2.0 ** -125 * qmax)
+  rows.append(np.full(BLOCK, tiny * f32(1 - 2.0 ** -12), f32))        # scale just below 2^-125: stored as 0
+  rows.append(np.full(BLOCK, np.nextafter(tiny, f32(0)), f32))         # rounded up to 2^-125: kept
+  rows.append(np.linspace(-tiny, tiny, BLOCK).astype(f32))             # scale 2^-125 (the smallest kept)
+  sub = np.full(BLOCK, f32(1e-40), f32)                                # subnormal elements ...
+  sub[::3] = -f32(3e-42)
+  sub[0] = f32(2.0 ** -118)                                            # ... beside a normal absmax
+  rows.append(sub)
+  rows.append(np.zeros(BLOCK, f32))
+  rows.append(np.full(BLOCK, f32(-0.0), f32))
+  rows.append(np.full(BLOCK, f32(1e-45), f32))                         # the smallest subnormal
+  nan, inf = np.full(BLOCK, f32(1.0), f32), np.full(BLOCK, f32(1.0), f32)
+  nan[7], inf[9] = np.nan, -np.inf
+  rows += [nan, inf]
+  return np.stack(rows).astype(f32)
+
+
+def _quotients(x, bits):
+  """|x| / s in float64 (exact enough to tell midpoints) and the model's codes, per element."""
+  codes, s = model(x, bits)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    q = np.abs(x.astype(np.float64)) / s.astype(np.float64)[:, None]
+  return q, codes, s
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_adversarial_blocks_hit_what_they_aim_at(bits):
+  """The data below is adversarial: midpoints, the clamp (|x| / s > qmax) and zero scales all occur."""
+  x = adversarial_blocks(bits)
+  q, codes, s = _quotients(x, bits)
+  ok = (s > 0) & np.isfinite(s)
+  qk = q[ok]
+  assert np.sum(qk % 1 == 0.5) > 100                         # exact ties
+  above = np.sum(qk > block_format.qmax_of(bits))            # the nearest code is qmax all the same
+  assert above >= 32 * BLOCK if bits == 8 else above == 0
+  assert np.sum(s == 0) == 4 and np.sum(s == np.inf) == 2
+  assert np.sum(s == np.float32(2.0 ** -125)) == 2
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_correction_accepts_an_estimate_off_by_one(bits):
+  """`nearest_codes` turns any estimate within one of the answer (clipped or not: -1 and qmax + 1 too)
+  into the model's code; an estimate off by two it does not (so one step is all it takes, and all it
+  gives: the estimate's error bound is what makes the codes exact)."""
+  x = np.concatenate([adversarial_blocks(bits), tie_blocks(bits, 3), hard_data(4, 256)])
+  _, codes, s = _quotients(x, bits)
+  k = np.abs(codes).astype(np.float32)
+  f = jax.jit(lambda x, s, e: block_format.nearest_codes(x, s[:, None], bits, e))
+  for off in (-1, 0, 1):
+    got = np.asarray(f(x, s, jnp.asarray(k + np.float32(off)))).astype(np.int32)
+    np.testing.assert_array_equal(got, codes, err_msg=f"estimate off by {off}")
+  for off in (-2, 2):
+    got = np.asarray(f(x, s, jnp.asarray(k + np.float32(off)))).astype(np.int32)
+    assert np.sum(got != codes) > 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("ulps", [-2, -1, 1, 2])
+def test_any_reciprocal_within_a_few_ulp_gives_the_model(bits, ulps):
+  """The estimate rint(|x| * r) with r = 1 / s moved by `ulps` (what `rcp.approx`, within one ulp, may
+  return on a GPU), then corrected: the model's codes. Some estimates are off (the correction works)."""
+  x = np.concatenate([adversarial_blocks(bits), tie_blocks(bits, 1)])
+  _, codes, _ = _quotients(x, bits)
+
+  def moved(s):
+    r = 1.0 / s
+    for _ in range(abs(ulps)):
+      r = jnp.nextafter(r, jnp.float32(np.inf) if ulps > 0 else jnp.float32(0))
+    return r
+
+  @jax.jit
+  def run(x):
+    amax = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=1)
+    s = block_format.scale_of(amax, bits)
+    estimate = jnp.round(jnp.abs(x) * block_format.inverse_scale(s, moved)[:, None])
+    return block_format.nearest_codes(x, s[:, None], bits, estimate), estimate
+
+  got, estimate = (np.asarray(a) for a in run(x))
+  np.testing.assert_array_equal(got.astype(np.int32), codes)
+  assert np.sum(np.minimum(estimate, block_format.qmax_of(bits)) != np.abs(codes)) > 0
+
+
+def test_inverse_scale_is_zero_where_the_scale_is_not_usable():
+  s = jnp.asarray([0.0, np.inf, 2.0 ** -125, 0.5, 2.0 ** 125], jnp.float32)
+  r = np.asarray(block_format.inverse_scale(s))
+  np.testing.assert_array_equal(r, np.float32([0.0, 0.0, 2.0 ** 125, 2.0, 2.0 ** -125]))
+
+
+CPU_KERNELS = ["xla", "pallas", "mosaic"]  # mosaic: the Mosaic GPU interpreter, int8
+
+
+@pytest.mark.parametrize("backend", CPU_KERNELS)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_adversarial_blocks_equal_the_model_in_every_backend_here(backend, bits):
+  x = adversarial_blocks(bits, seed=bits)
+  if backend != "mosaic":
+    _check(backend, bits, x)
+    return
+  from pallas_kernels import mosaic_block_quant as MB
+  if MB.missing_api() is not None or bits != 8:
+    pytest.skip(MB.missing_api() or "the Mosaic GPU kernels are int8 only")
+  codes, s = model(x, bits)
+  v, sc = jax.jit(lambda a: MB.quantize_rows(a, interpret=True))(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(sc).view(np.uint32), s.view(np.uint32))
+  np.testing.assert_array_equal(np.asarray(v).astype(np.int32), codes)

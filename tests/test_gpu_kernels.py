@@ -292,3 +292,132 @@ def test_default_backend_on_h100s_runs_the_rotated_int4_path_in_kernels():
   assert {"zerojax_quantize", "zerojax_dequantize", "zerojax_reorder_quantize"} <= set(triton), triton
   cpu = zerojax.Executor(tiny_gpt(), optimizer(), plan, zerojax.make_mesh(N, G), accum_steps=1)
   assert cpu.components.gather.backend is None and cpu.components.reduction.backend is None
+
+
+# --- the instruction mix: no IEEE division per element ---------------------------------------------
+
+EST_BLOCK = 256  # 16 blocks a program, 32 elements a thread: a reciprocal per block is fewer than per element
+ARITH = re.compile(r"^\s*(?:@%p\d+\s+)?((?:div|rcp)\.[a-z0-9.]+|cvt\.rni\.f32\.f32)\s", re.M)
+
+
+def instruction_mix(ptx: str) -> dict[str, collections.Counter]:
+  """Per kernel (`.entry` name) of a PTX text: how many fp32 divisions (`div.*`), reciprocals (`rcp.*`)
+  and round-to-nearest-integer conversions (`cvt.rni`, one per element a thread quantizes) it holds."""
+  out = {}
+  for m in re.finditer(r"^\.visible \.entry (\w+)\(", ptx, re.M):
+    end = ptx.find("\n}\n", m.end())
+    out[m.group(1)] = collections.Counter(ARITH.findall(ptx[m.end():end]))
+  return out
+
+
+def test_instruction_mix_counts_divisions():
+  ptx = (".visible .entry k(\n\tdiv.rn.f32 \t%r1, %r2, %r3;\n\t@%p1 rcp.approx.ftz.f32 %r4, %r5;\n"
+         "\tcvt.rni.f32.f32 %r6, %r7;\n\tcvt.rni.f32.f32 %r8, %r9;\n}\n")
+  assert instruction_mix(ptx) == {"k": {"div.rn.f32": 1, "rcp.approx.ftz.f32": 1, "cvt.rni.f32.f32": 2}}
+
+
+def _assert_estimates_cost_a_product(mix: dict[str, collections.Counter], quantizing: int):
+  """Every kernel that rounds codes (cvt.rni) does it without a division, with reciprocals fewer than half
+  its elements (one per block: a reciprocal per element would count as many as cvt.rni); `quantizing`
+  such kernels, the others hold neither."""
+  rounding = {k: c for k, c in mix.items() if c["cvt.rni.f32.f32"]}
+  assert len(rounding) == quantizing, mix
+  for name, c in mix.items():
+    divisions = {op: n for op, n in c.items() if op.startswith("div.")}
+    assert not divisions, (name, c)
+    rcp = sum(n for op, n in c.items() if op.startswith("rcp."))
+    if name in rounding:
+      assert 1 <= rcp and 2 * rcp <= c["cvt.rni.f32.f32"], (name, c)
+    else:
+      assert rcp == 0, (name, c)
+
+
+def _estimate_ops(x, bits, backend):
+  """The ops that round codes to nearest (no stochastic rounding: that keeps its division)."""
+  v, s = Q.quantize(x, bits, EST_BLOCK, backend=backend)
+  qv, qs = Q.reorder_quantize(x, N, G, bits, EST_BLOCK, backend=backend)
+  out = [v, s, qv, qs, Q.dequant_sum_quantize(qv.reshape(G, -1), qs.reshape(G, -1), bits, EST_BLOCK,
+                                              backend=backend)]
+  if backend == "pallas":
+    out.append(Q.quantize(x, bits, EST_BLOCK, rotate=True, backend=backend))
+  return out
+
+
+def _est_x():
+  return jax.ShapeDtypeStruct((N * G * 8 * EST_BLOCK,), jnp.float32)
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+@pytest.mark.parametrize("bits", [8, 4])
+def test_pallas_estimates_have_no_division_per_element(bits, tmp_path):
+  """The Pallas kernels compiled for an H100 (XLA's PTX of the Triton kernels): no `div` instruction, one
+  `rcp.approx` per block; quantize, its rotated form, reorder_quantize and dequant_sum_quantize."""
+  [x] = _on_one_gpu("h100", _est_x())
+  jax.jit(lambda x: _estimate_ops(x, bits, "pallas")).lower(x).compile(
+      compiler_options={"xla_dump_to": str(tmp_path)})
+  mix = {}
+  for path in tmp_path.glob("*.ptx"):
+    mix.update({k: c for k, c in instruction_mix(path.read_text()).items() if k.startswith("zerojax_")})
+  _assert_estimates_cost_a_product(mix, quantizing=4)
+
+
+@pytest.mark.gpu_compile
+@needs_jax_triton
+@pytest.mark.parametrize("bits", [8, 4])
+def test_triton_estimates_have_no_division_per_element(bits, monkeypatch):
+  """The jax-triton kernels' PTX for an H100: quantize (plain and reordered) and dequant_sum with
+  requantization round codes after one `rcp.approx` per block, with no `div` (the scale's 1 / qmax is a
+  constant)."""
+  from pallas_kernels import triton_block_quant
+  monkeypatch.setenv(triton_block_quant.CC_ENV, "90")
+  [x] = _on_one_gpu("h100", _est_x())
+  ptxs = _ptx_of(jax.jit(lambda x: _estimate_ops(x, bits, "triton")).lower(x).compiler_ir("stablehlo"))
+  mix = {f"{k}#{i}": c for i, p in enumerate(ptxs) for k, c in instruction_mix(p.decode()).items()}
+  _assert_estimates_cost_a_product(mix, quantizing=3)
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_xla_estimates_have_no_ieee_division(tmp_path):
+  """The xla backend compiled for an H100: no correctly rounded division (`div.rn`) in any kernel. (XLA
+  fuses the per-block reciprocal into the per-element loop, so it counts one `rcp.approx` per row an
+  element thread touches: a single instruction, as XLA's own fp32 division was.)"""
+  [x] = _on_one_gpu("h100", _est_x())
+  jax.jit(lambda x: [_estimate_ops(x, b, "xla") for b in (8, 4)]).lower(x).compile(
+      compiler_options={"xla_dump_to": str(tmp_path)})
+  mix = collections.Counter()
+  for path in tmp_path.glob("*.ptx"):
+    for c in instruction_mix(path.read_text()).values():
+      mix.update(c)
+  assert mix["cvt.rni.f32.f32"] > 0 and not any(op.startswith("div.") for op in mix), mix
+
+
+MOSAIC_PTX = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from zerojax import gpu_aot
+from pallas_kernels import mosaic_block_quant as MB
+mesh = Mesh(np.array(gpu_aot.devices("h100", 1, 1)), ("x",))
+x = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
+jax.jit(MB.quantize_rows).lower(x).compile()
+"""
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+def test_mosaic_estimates_have_no_division_per_element():
+  """The Mosaic GPU quantize kernel compiled for an H100 (its PTX printed by the plugin where
+  MOSAIC_GPU_DUMP_PTX is set; a separate process, since the plugin reads the variable once)."""
+  import os
+  import sys
+  from pallas_kernels import mosaic_block_quant as MB
+  if MB.missing_api() is not None:
+    pytest.skip(MB.missing_api())
+  env = dict(os.environ, MOSAIC_GPU_DUMP_PTX="1", JAX_PLATFORMS="cpu")
+  run = subprocess.run([sys.executable, "-c", MOSAIC_PTX], capture_output=True, text=True, env=env,
+                       cwd=str(__import__("pathlib").Path(__file__).resolve().parent.parent), timeout=600)
+  assert run.returncode == 0, run.stderr[-2000:]
+  mix = instruction_mix(run.stdout)
+  assert list(mix) == ["zerojax_mosaic_quantize_mosaic_gpu_kernel"], list(mix)
+  _assert_estimates_cost_a_product(mix, quantizing=1)
