@@ -23,7 +23,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import gpu_aot, logical as logical_lib
+from zerojax import gpu_aot, layout as layout_lib, logical as logical_lib, offload as offload_lib
 from zerojax.model import call_loss
 from zerojax.stateful import keep, keep_replicas
 from zerojax.train_state import TrainState
@@ -151,13 +151,20 @@ class StepMixin:
         in_specs=(self.state_param_specs, data, P(), P(), P(), {n: s for n, (_, s) in body_in.items()}),
         out_specs=(self.state_param_specs, per, per, P(), out_specs), check_vma=False)(
             state.params, batch, state.step, state.rng, state.mutable, {n: v for n, (v, _) in body_in.items()})
-    # The update's states reach the device once the backward is done (`HostOffload.fetch`'s `after`).
-    state = state.replace(params=offload.fetch("params", host.params, after=grads),
-                          opt_state=offload.fetch("opt_state", host.opt_state, after=grads))
     # One optimizer per replica (DiLoCo): each replica's norm, update and skip are its own.
     per_replica = jax.vmap if self.replica_axes else (lambda f: f)
     grad_norm = per_replica(optax.tree.norm)(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if offload.fields and not self.stateful:  # offloaded states stream through the device chunk by chunk
+      params, opt_state = self._streamed_update(host, grads, finite)
+      new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                          skipped=state.skipped + (~finite).astype(jnp.int32),
+                          mutable=keep(finite, mutable, state.mutable))
+      return new, StepMetrics(loss, grad_norm, finite, aux)
+    # With a stateful component (it reads the whole step's updates) the states come to the device at once,
+    # once the backward is done (`HostOffload.fetch`'s `after`).
+    state = state.replace(params=offload.fetch("params", host.params, after=grads),
+                          opt_state=offload.fetch("opt_state", host.opt_state, after=grads))
     updates, opt_state = per_replica(self.optimizer.update)(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     kept = (lambda new, old: keep_replicas(finite, new, old)) if self.replica_axes else (
@@ -173,6 +180,86 @@ class StepMixin:
       new = new.replace(params=params, **{n: own})
     new = new.replace(params=offload.store("params", new.params), opt_state=offload.store("opt_state", new.opt_state))
     return new, StepMetrics(loss, grad_norm, finite, aux)
+
+  def _streamed_update(self, host: TrainState, grads, finite):
+    """The optimizer's update with offloaded states, one chunk at a time (docs/offload.md, "The streamed
+    update"): a unit, or one layer of a scanned unit (a `lax.scan` over its layers). Each chunk's states
+    come to the device, are updated and go back to host memory; a scanned unit fetches layer i + 1 while
+    it updates and stores layer i. A unit's fetch waits on the store of the unit two before it (and the
+    first two on the gradients), so at most three units' states are on the device at once, whatever XLA's
+    scheduler would do. The update's global statistics (the clipping's norm) come from the whole gradient
+    before the first chunk (`offload.global_scalars`). -> (new master weights, new optimizer states), each
+    in the memory its field lives in."""
+    off, lay = self.components.offload, self.layout.tree()
+    scalars = offload_lib.global_scalars(self.optimizer.update, grads, host.opt_state, host.params)
+    leaves, treedef = jax.tree.flatten(host.opt_state)
+    new_leaves, new_params, stored = list(leaves), {}, []
+    for k, u in enumerate(lay):
+      scanned = u in self.model.scanned
+      opt, mine, empty = self._chunk_optimizer(u, scanned)
+      hp, hs = host.params[u], [leaves[i] for i in mine]
+      _, (hp, hs) = lax.optimization_barrier((stored[k - 2] if k >= 2 else grads, (hp, hs)))
+
+      def chunk(g, p, s, u=u, opt=opt, mine=mine, empty=empty):
+        """The update of unit u's chunk (device arrays): -> (master, its states, the scalar states)."""
+        fill = lambda tree, x: {v: (x if v == u else jax.tree.map(lambda e: jnp.zeros(e.shape, e.dtype), tree[v]))
+                                for v in tree}
+        g_t, p_t = fill(empty[0], g), fill(empty[0], p)
+        it = iter(s)
+        s_t = jax.tree.unflatten(treedef, [next(it) if i in mine else (leaves[i] if not np.ndim(leaves[i])
+                                           else jnp.zeros(e.shape, e.dtype)) for i, e in enumerate(empty[1])])
+        updates, s_new = offload_lib.run_chunk(opt.update, scalars, g_t, s_t, p_t)
+        p_new = optax.apply_updates(p_t[u], updates[u])
+        s_new = jax.tree.leaves(s_new)
+        old_scalars = [leaves[i] for i in range(len(leaves)) if not np.ndim(leaves[i])]
+        return (keep(finite, p_new, p), keep(finite, [s_new[i] for i in mine], list(s)),
+                keep(finite, [s_new[i] for i in range(len(leaves)) if not np.ndim(leaves[i])], old_scalars))
+
+      if not scanned:
+        p_new, s_new, sc = chunk(grads[u], off.fetch("params", hp), off.fetch("opt_state", hs))
+        p_new, s_new = off.store("params", p_new), off.store("opt_state", s_new)
+      else:
+        p_new, s_new, sc = self._scan_layers(chunk, grads[u], hp, hs)
+      new_params[u] = p_new
+      for i, x in zip(mine, s_new):
+        new_leaves[i] = x
+      if k == 0:
+        for i, x in zip([i for i in range(len(leaves)) if not np.ndim(leaves[i])], sc):
+          new_leaves[i] = x
+      stored.append((p_new, s_new))
+    return new_params, jax.tree.unflatten(treedef, new_leaves)
+
+  def _scan_layers(self, chunk, grads, hp, hs):
+    """`chunk` over the layers of a scanned unit: a `lax.scan` whose step i fetches layer i + 1's states
+    (clamped: the last step fetches the last layer again), updates layer i (fetched by the step before)
+    and stores it; the stored layers stack in the memory their field lives in."""
+    off = self.components.offload
+    n = jax.tree.leaves(grads)[0].shape[0]
+    take = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), tree)
+    get = lambda i: (off.fetch("params", take(hp, i)), off.fetch("opt_state", take(hs, i)))
+
+    def body(cur, xs):
+      i, g = xs
+      nxt = get(jnp.minimum(i + 1, n - 1))
+      p_new, s_new, sc = chunk(jax.tree.map(lambda x: x[None], g), *cur)
+      one = lambda t: jax.tree.map(lambda x: x[0], t)
+      return nxt, (off.store("params", one(p_new)), off.store("opt_state", one(s_new)), sc)
+    _, (p_new, s_new, sc) = lax.scan(body, get(0), (jnp.arange(n), grads))
+    return p_new, s_new, [x[0] for x in sc]
+
+  def _chunk_optimizer(self, unit: str, scanned: bool):
+    """(the optimizer on one chunk of `unit`, the indices of the optimizer-state leaves that are the unit's,
+    (the chunk's parameter and state shapes)): see `offload.chunk_layout`."""
+    cache = self.__dict__.setdefault("_chunk_opts", {})
+    if unit not in cache:
+      lay = offload_lib.chunk_layout(self.layout, unit, scanned)
+      opt = logical_lib.logical_optimizer(self.user_optimizer, lay, self.to_user, self.from_user)
+      shapes = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), lay.tree(),
+                            is_leaf=layout_lib.is_layout)
+      states = jax.tree.leaves(jax.eval_shape(opt.init, shapes))
+      mine = [i for i, x in enumerate(states) if x.ndim and x.size]
+      cache[unit] = (opt, mine, (shapes, states))
+    return cache[unit]
 
   def step_fn(self, state_shardings: TrainState | None = None):
     """The jitted `(state, batch) -> (state, StepMetrics)`; donates state.
