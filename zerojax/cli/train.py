@@ -63,6 +63,17 @@ def parser(with_parameters: bool = False) -> argparse.ArgumentParser:
   ap.add_argument("--process_id", type=int, default=None)
   ap.add_argument("--heartbeat_timeout", type=int, default=30,
                   help="seconds after which a silent process counts as dead and the others stop (multi-host)")
+  ap.add_argument("--replica_dir", default=None,
+                  help="this node's own folder (local disk) for its copy of the train state, written every "
+                       "train.replica_every steps; a start resumes from the latest step every node holds, on "
+                       "any number of nodes (plans with a full replica per node; docs/training.md, \"When a "
+                       "node dies\")")
+  ap.add_argument("--join", action="store_true",
+                  help="with --replica_dir: this node has no current copy (restarted or replaced) and takes "
+                       "it from the others")
+  ap.add_argument("--event", default=None, metavar="JSON",
+                  help="the membership change this start follows, recorded in metrics.jsonl (set by "
+                       "python -m zerojax.cli.supervise)")
   ap.add_argument("--devices", type=int, default=None,
                   help="CPU devices in this process (default: JAX_NUM_CPU_DEVICES or XLA_FLAGS' "
                        f"--xla_force_host_platform_device_count if set, else {DEFAULT_DEVICES} on a "
@@ -128,6 +139,8 @@ def _run(args) -> int:
   if not args.gin_file and not any(p.replace(" ", "").startswith("train.plan=") for p in args.gin_param):
     raise ConfigError("no --gin_file given; pass a config, e.g. --gin_file=configs/zero3.gin (configs/ has "
                       "dp, zero1, zero2, zero3, mics, zeropp, qwz, hpz, qgz)")
+  if (args.join or args.event) and not args.replica_dir:
+    raise ConfigError("--join and --event go with --replica_dir (the node's own folder); add it or drop them")
   if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
     raise ConfigError(f"--workdir {args.workdir!r} is a file; pass a folder (created if missing)")
   devices = _set_device_count(args.devices)
@@ -147,11 +160,28 @@ def _run(args) -> int:
   config_lib.parse(args.gin_file, bindings)
   if jax.process_index() == 0 and devices:
     print(f"zerojax: {jax.local_device_count()} CPU devices per process ({devices})", flush=True)
-  summary = trainer.train(args.workdir, args.data, restore_from=args.restore_from, allow_changed=allowed)
+  node_copy = None
+  if args.replica_dir:
+    from zerojax.train.replica import NodeCopy
+    node_copy = NodeCopy(os.path.abspath(args.replica_dir), args.join, _event(args.event))
+  summary = trainer.train(args.workdir, args.data, restore_from=args.restore_from, allow_changed=allowed,
+                          node_copy=node_copy)
   if jax.process_index() == 0:
     print(json.dumps(summary))
   stopped = summary.get("stopped_by")
   return exit_code(signal.Signals[stopped]) if stopped else 0
+
+
+def _event(text: str | None) -> dict | None:
+  if text is None:
+    return None
+  try:
+    event = json.loads(text)
+  except ValueError as e:
+    raise ConfigError(f"--event {text!r} is not JSON ({e}); pass an object such as '{{\"kind\": \"node_lost\"}}'")
+  if not isinstance(event, dict) or "kind" not in event:
+    raise ConfigError(f"--event {text!r} must be a JSON object with a \"kind\"")
+  return event
 
 
 def _set_device_count(devices: int | None) -> str | None:

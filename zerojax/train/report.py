@@ -60,13 +60,37 @@ class RunLog:
     step = row["step"]
     for key, tag in (("loss", "train/loss"), ("eval_loss", "eval/loss"), ("grad_norm", "train/grad_norm"),
                      ("tokens_per_s", "perf/tokens_per_s"), ("step_time_s", "perf/step_time_s"),
-                     ("skipped", "train/skipped_steps")):
+                     ("skipped", "train/skipped_steps"), ("nodes", "cluster/nodes")):
       if key in row:
         self._tb.add_scalar(tag, row[key], step)
+    for key, value in (row.get("event") or {}).items():
+      if key.endswith(("_s", "steps_lost")) and value is not None:
+        self._tb.add_scalar(f"cluster/{row['event']['kind']}/{key}", value, step)
 
   def close(self) -> None:
     self._file.close()
     self._tb.close()
+
+
+def membership(event: dict, now: float, start_step: int) -> dict:
+  """The record of a membership change (`zerojax.train.supervisor`) at the first step after it: `event`
+  with the seconds from the failure to its detection (`detect_s`), from the detection to this step
+  (`resume_s`), and the steps logged before it that the run trains again (`steps_lost`)."""
+  out = dict(event)
+  failed, detected = event.get("failed"), event.get("detected")
+  out["detect_s"] = detected - failed if failed is not None and detected is not None else None
+  out["resume_s"] = now - detected if detected is not None else None
+  out["resumed_from"] = start_step
+  last = event.get("last_step")
+  out["steps_lost"] = max(0, last - start_step) if last is not None else None
+  return out
+
+
+def membership_summary(rows: list[dict]) -> dict:
+  """summary.json's count of the run's lost and rejoined nodes, with each change's record."""
+  events = [r["event"] for r in rows if r.get("event")]
+  return {"nodes_lost": sum(e["kind"] == "node_lost" for e in events),
+          "nodes_rejoined": sum(e["kind"] == "node_rejoined" for e in events), "events": events}
 
 
 def plot_loss(rows: list[dict], path: str, title: str) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from typing import NamedTuple
 
 import gin
 import jax
@@ -22,7 +23,7 @@ from zerojax.models.gpt import GPTConfig, gpt
 from zerojax import planner
 from zerojax.plan import Plan, zero3
 from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, data as data_lib
-from zerojax.train import export as export_lib, report, user_model
+from zerojax.train import export as export_lib, replica as replica_lib, report, user_model
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
 from zerojax.train.optim import make_optimizer
 from zerojax.train.signals import StopSignal
@@ -111,15 +112,16 @@ def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor
   return chosen
 
 
-@gin.configurable(denylist=["workdir", "data", "restore_from", "allow_changed"])
-def train(workdir: str, data: str | None = None, restore_from: str | None = None, allow_changed=(), *,
+@gin.configurable(denylist=["workdir", "data", "restore_from", "allow_changed", "node_copy"])
+def train(workdir: str, data: str | None = None, restore_from: str | None = None, allow_changed=(),
+          node_copy: replica_lib.NodeCopy | None = None, *,
           plan: Plan = gin.REQUIRED,
           steps: int = 200, checkpoint_every: int = 100, keep_checkpoints: int = 3,
           batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
           eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
           max_consecutive_skips: int = 5, max_data_bytes: int = 64 * 2**20, pad_multiple: int = 256,
           param_dtype: str | None = None, compute_dtype: str | None = None, export: bool = False,
-          progress: bool = True, model: str | None = None) -> dict:
+          progress: bool = True, model: str | None = None, replica_every: int = 1) -> dict:
   """Trains the GPT model (or your own, `model`) on byte-level text under `plan`; writes metrics to `workdir`.
 
   SIGINT (Ctrl-C) and SIGTERM finish the current step, save a checkpoint and stop (a second signal
@@ -128,12 +130,16 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
   Args:
     workdir: output folder: `metrics.jsonl` (one object per logged step), `summary.json`, `config.gin`
       (the config run), `loss.png`, `tensorboard/` and `checkpoints/`; a run resumes from the latest
-      checkpoint there. A run whose checkpoint is at `steps` already is left as it is.
+      checkpoint there. A run whose checkpoint is at `steps` already is left as it is. Every record of
+      metrics.jsonl carries its unix `time` and the run's `nodes`.
     data: a text file or folder; default the running Python's standard library sources.
     restore_from: a workdir or checkpoint folder to start from when `workdir` has no checkpoint (any
       mesh, process count or plan; same model and optimizer). Never silently ignored.
     allow_changed: settings (gin names, e.g. "train.steps") that may differ from the checkpoint's on
       resume; others that differ stop the run (`zerojax.train.config.check_resume`).
+    node_copy: this node's own copy of the train state (`train.py --replica_dir`, one process per node):
+      written every `replica_every` steps; a start resumes from the latest step every holder has when it
+      is newer than the checkpoint, on any number of nodes (`zerojax.train.replica`).
     plan: the sharding plan (`@zero3()`, `@mics()`, ... in gin).
     steps: optimizer steps (also the length of the learning-rate schedule).
     checkpoint_every: steps between checkpoints (0: only at the end and on SIGINT/SIGTERM).
@@ -158,6 +164,7 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
       (train.py's --model), called as `function(vocab_size=..., seq_len=...)` with model_config's values;
       it returns a `zerojax.Model` whose loss takes `[batch, seq_len + 1]` int32 byte tokens
       (`zerojax.train.user_model`).
+    replica_every: steps between writes of the node's own copy (with `node_copy`).
 
   Returns:
     The summary dict also written to `summary.json`.
@@ -182,7 +189,7 @@ def _finite(x):
 def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, checkpoint_every,
            keep_checkpoints, batch_size, accum_steps, num_nodes, seed, eval_every, eval_batches, log_every,
            max_consecutive_skips, max_data_bytes, pad_multiple, param_dtype, compute_dtype,
-           export, progress, model) -> dict:
+           export, progress, model, node_copy, replica_every) -> dict:
   cfg = model_config()
   allowed = config_lib.check_allowed(allow_changed)
   ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
@@ -196,7 +203,12 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=keep_checkpoints)
   log = None
   try:
-    resumed = checkpoint_lib.resume(ex, ckpt, restore_from, check=check, warn=_say)
+    copies = _node_copies(ex, node_copy)
+    found = replica_lib.agree(node_copy.directory, node_copy.joining, seed) if copies else None
+    if found is not None and found[0] >= (ckpt.latest_step() or -1):
+      resumed = _from_copies(ex, copies, found, check)
+    else:
+      resumed = checkpoint_lib.resume(ex, ckpt, restore_from, check=check, warn=_say)
     start_step = int(resumed.state.step) if resumed is not None else 0
     if resumed is not None and start_step >= steps:
       _say(f"the run already finished: the checkpoint in {resumed.directory} is at step {start_step}, "
@@ -230,6 +242,8 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
     bar = tqdm(total=steps, initial=start_step, disable=not (lead and progress), dynamic_ncols=True)
     in_a_row, times, loss, eval_loss = 0, [], float("nan"), None
     stopped, step = stop.requested(), start_step
+    nodes = int(mesh.shape["node"])
+    event = node_copy.event if node_copy is not None else None
     while step < steps and not stopped:
       batch = data_lib.global_batch(dataset.train, step, accum_steps=accum_steps, batch_size=batch_size,
                                     seq_len=cfg.seq_len, seed=seed)
@@ -254,12 +268,17 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       # the skip count is one per replica with DiLoCo: every process joins its sum
       skipped = int(jnp.sum(state.skipped)) if logged else None
       if lead and logged:
-        rec = {"step": step, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-               "grad_norm": float(metrics.grad_norm), "skipped": skipped}
+        rec = {"step": step, "time": time.time(), "nodes": nodes, "loss": loss, "step_time_s": dt,
+               "tokens_per_s": tokens_per_step / dt, "grad_norm": float(metrics.grad_norm), "skipped": skipped}
+        if event is not None:  # the first step after a node was lost or rejoined
+          rec["event"], event = report.membership(event, rec["time"], start_step), None
         log.write(rec if eval_loss is None else {**rec, "eval_loss": eval_loss})
       bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_s=f"{dt:.3f}")
       bar.update(1)
       stopped = stop.requested()
+      if copies and (step % replica_every == 0 or step == steps or stopped):
+        replica_lib.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss,
+                         settings=settings)
       if (checkpoint_every and step % checkpoint_every == 0) or step == steps or stopped:
         ckpt.save(ex, state, seed=seed, first_loss=first_loss, settings=settings)
     ckpt.wait()
@@ -276,7 +295,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
   if export:
     export_lib.export_params(ex, state, os.path.join(workdir, "params.npz"))
   median = float(np.median(times)) if times else None
-  summary = {"plan": label(plan), "plan_name": plan.name, "mesh": dict(mesh.shape),
+  summary = {"plan": label(plan), "plan_name": plan.name, "mesh": dict(mesh.shape), "nodes": nodes,
              "status": f"stopped by {stopped_by}" if stopped_by else "finished", "stopped_by": stopped_by,
              "step": step, "steps": steps, "first_loss": _finite(first_loss), "final_loss": _finite(loss),
              "final_eval_loss": _finite(eval_loss), "skipped_steps": int(jnp.sum(state.skipped)),
@@ -289,10 +308,48 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
   if ex.prefetch_fallbacks():
     summary["prefetch_fallbacks"] = ex.prefetch_fallbacks()
   if lead:
+    summary["membership"] = report.membership_summary(log.rows)
     report.write_json(os.path.join(workdir, "summary.json"), summary)
     if log.rows:
       report.plot_loss(log.rows, os.path.join(workdir, "loss.png"), f"{summary['plan']}, {dict(mesh.shape)}")
   return summary
+
+
+class Copies(NamedTuple):
+  directory: str  # this node's folder
+  node: int       # this process's node on the mesh
+
+
+def _node_copies(ex: Executor, node_copy) -> Copies | None:
+  """Where this process writes its node's copy, or None: no `node_copy`, or a plan whose nodes hold no
+  full replica (said in one line: the run keeps its checkpoints only)."""
+  if node_copy is None:
+    return None
+  why = replica_lib.unsupported(ex)
+  node = jax.process_index()
+  own = {d.process_index for d in ex.mesh.devices[min(node, ex.mesh.devices.shape[0] - 1)].flat}
+  if why is None and (own != {node} or ex.mesh.devices.shape[0] != jax.process_count()):
+    why = "node copies need one process per node"
+  replica_lib.write_run(node_copy.directory, plan=label(ex.plan), nodes=int(ex.mesh.shape["node"]),
+                        replicated=why is None, why=why)
+  if why is not None:
+    _say(f"plan {label(ex.plan)} holds no full replica of the train state per node ({why}): a lost node "
+         "stops the run, which resumes from its last checkpoint")
+    return None
+  return Copies(node_copy.directory, node)
+
+
+def _from_copies(ex: Executor, copies: Copies, found, check) -> checkpoint_lib.Resumed:
+  """The state of the latest step every holder has, from the nodes' own copies (`replica.restore`)."""
+  step, held, seed = found
+  mine = held[copies.node]
+  meta = replica_lib.read_meta(copies.directory, step) if mine else {}
+  note = check(meta, os.path.join(copies.directory, str(step))) if "settings" in meta else None
+  state = replica_lib.restore(ex, step, held, {copies.node: copies.directory} if mine else {})
+  holders, new = [i for i, h in enumerate(held) if h], [i for i, h in enumerate(held) if not h]
+  where = (f"the nodes' own copies (held by nodes {holders}"
+           + (f"; nodes {new} take theirs from node {holders[0]})" if new else ")"))
+  return checkpoint_lib.Resumed(state, {**meta, "seed": seed}, where, note)
 
 
 CONFIG_HEADER = """# The config this run used (gin's operative config: every parameter it read, defaults included).

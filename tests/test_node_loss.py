@@ -1,0 +1,254 @@
+"""A node dies and the others train on (`zerojax.train.replica`, `zerojax.train.supervisor`): each node's
+own copy restores onto one node fewer and back (N -> N-1 -> N) by the rule of merging and splitting
+replicas; plans without a replica per node are named; a failure while writing keeps the earlier copies;
+the supervisor's decisions on stand-in processes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import zerojax
+import zerojax.plan as plans
+from tests import helpers
+from zerojax.train import replica, report, state_spec, supervisor
+
+BATCH = 24  # divides 3 x 2 and 2 x 2 devices
+
+
+def make(plan, nodes):
+  return zerojax.Executor(helpers.tiny_gpt(), helpers.optimizer(), dataclasses.replace(plan, pad_multiple=1),
+                          zerojax.make_mesh(nodes, 2, devices=jax.devices()[:2 * nodes]), accum_steps=2)
+
+
+def train(ex, state, first, last):
+  step = ex.step_fn()
+  for b in helpers.batches(last, 2, batch=BATCH)[first:last]:
+    state, _ = step(state, jax.device_put(b, ex.batch_sharding))
+  return state
+
+
+def logical(ex, state) -> dict:
+  spec = state_spec.state_spec_of(ex)
+  values = jax.device_get(spec.unnest(state_spec.logical_state(ex, state)))
+  return {state_spec.SEP.join(l.names): np.asarray(v) for l, v in zip(spec.leaves, values)}
+
+
+def save_all(ex, state, root, nodes):
+  """Every node's copy, as its process writes it (here one process holds every node)."""
+  for n, name in enumerate(nodes):
+    replica.save(ex, state, os.path.join(root, name), n, seed=0)
+
+
+def rows_of(key: str) -> bool:
+  return key.split("/")[0] in ("params", "opt_state", "skipped")
+
+
+@pytest.mark.parametrize("plan", [plans.mics(param_dtype="float32"),
+                                  plans.mics(outer_sync=plans.diloco(every=4), param_dtype="float32")],
+                         ids=["mics", "diloco"])
+def test_restore_onto_one_node_fewer_and_back_follows_the_rule(tmp_path, plan):
+  """3 x 2 devices, 2 steps; node 1 dies: nodes 0 and 2 restore onto 2 x 2 (each keeps its own replica,
+  node 1's is discarded; what every node shares is the same); 1 step on 2 nodes; node 1 rejoins: 3 x 2
+  again, the survivors' rows as they were, the newcomer's DiLoCo replica the outer parameters with the
+  first holder's inner optimizer state and no skipped step."""
+  diloco = plan.sync.outer_sync is not None
+  big = make(plan, 3)
+  state = train(big, big.init_from_params(jax.jit(big.model.init)(jax.random.key(0))), 0, 2)
+  before = logical(big, state)
+  if diloco:  # between two syncs the replicas differ
+    w = before["params/blocks/fc/kernel"]
+    assert not np.array_equal(w[0], w[2])
+  save_all(big, state, tmp_path, ["a", "b", "c"])
+  small = make(plan, 2)
+  two = replica.restore(small, 2, [True, True], {0: str(tmp_path / "a"), 1: str(tmp_path / "c")})
+  got = logical(small, two)
+  assert set(got) == set(before)
+  for k, v in before.items():
+    want = v[[0, 2]] if diloco and rows_of(k) else v
+    assert np.array_equal(got[k], want), k
+  two = train(small, two, 2, 3)
+  after = logical(small, two)
+  save_all(small, two, tmp_path, ["a", "c"])
+  back = replica.restore(big, 3, [True, True, False], {0: str(tmp_path / "a"), 1: str(tmp_path / "c")})
+  full = logical(big, back)
+  assert int(jax.device_get(back.step)) == 3
+  for k, v in after.items():
+    if not (diloco and rows_of(k)):
+      assert np.array_equal(full[k], v), k
+      continue
+    assert np.array_equal(full[k][:2], v), k
+    if k.startswith("params/"):
+      assert np.array_equal(full[k][2], after["outer/" + k]), k
+    elif k == "skipped":
+      assert full[k][2] == 0
+    else:
+      assert np.array_equal(full[k][2], v[0]), k
+  if diloco:  # the newcomer's replica differs from the survivors' until the next sync
+    assert not np.array_equal(full["params/blocks/fc/kernel"][2], full["params/blocks/fc/kernel"][0])
+  train(big, back, 3, 4)  # the restored state trains on the full mesh
+
+
+def test_mics_on_one_node_fewer_trains_the_same_step():
+  """MiCS on 2 nodes after a loss takes the same step as on 3 (the same global batch, the same replica):
+  equal up to float reassociation of the gradient's mean."""
+  plan = plans.mics(param_dtype="float32")
+  big, small = make(plan, 3), make(plan, 2)
+  params = jax.jit(big.model.init)(jax.random.key(0))
+  a = logical(big, train(big, big.init_from_params(params), 0, 2))
+  b = logical(small, train(small, small.init_from_params(params), 0, 2))
+  for k in a:
+    assert np.allclose(a[k], b[k], rtol=2e-5, atol=2e-6), k
+
+
+def test_radius_residuals_stay_with_their_nodes(tmp_path):
+  """MiCS + Radius: the survivors keep their own residual rows, a newcomer's is empty (nothing unsent)."""
+  plan = plans.mics(replica_sync=plans.radius(density=0.5, period=2, dense_steps=1), param_dtype="float32")
+  big = make(plan, 3)
+  state = train(big, big.init_from_params(jax.jit(big.model.init)(jax.random.key(0))), 0, 3)
+  before = logical(big, state)
+  res = [k for k in before if k.startswith("radius/residual")]
+  assert res and any(np.any(before[k][2]) for k in res)
+  save_all(big, state, tmp_path, ["a", "b", "c"])
+  small = make(plan, 2)
+  got = logical(small, replica.restore(small, 3, [True, True], {0: str(tmp_path / "b"), 1: str(tmp_path / "c")}))
+  for k in res:
+    assert np.array_equal(got[k], before[k][[1, 2]]), k
+  back = logical(big, replica.restore(big, 3, [False, True, True], {1: str(tmp_path / "b"), 2: str(tmp_path / "c")}))
+  for k in res:
+    assert np.array_equal(back[k][1:], before[k][1:]) and not np.any(back[k][0]), k
+  assert all(np.array_equal(back[k], before[k]) for k in before if not k.startswith("radius/residual"))
+
+
+@pytest.mark.parametrize("plan, leaf", [(plans.zero3(), "across nodes"), (plans.zeropp(), "across nodes"),
+                                        (plans.mics(group_size=4), "across nodes")])
+def test_plans_without_a_replica_per_node_are_named(plan, leaf):
+  why = replica.unsupported(make(plan, 3) if plan.name != "mics" else make(plan, 2))
+  assert why is not None and leaf in why and "sharded over" in why
+
+
+def test_a_failure_while_writing_keeps_the_earlier_copies(tmp_path, monkeypatch):
+  """A write that dies half way (here: the disk fails inside np.savez) leaves a temporary folder that is
+  never taken for a copy; the earlier copies restore; the next write removes the temporary."""
+  plan = plans.mics(param_dtype="float32")
+  ex = make(plan, 2)
+  state = ex.init_from_params(jax.jit(ex.model.init)(jax.random.key(0)))
+  folder = str(tmp_path / "a")
+  state = train(ex, state, 0, 1)
+  replica.save(ex, state, folder, 0, seed=0)
+  saved = logical(ex, state)
+  state = train(ex, state, 1, 2)
+
+  def broken(path, **arrays):
+    with open(path, "wb") as f:
+      f.write(b"PK\x03\x04 half a zip")
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(np, "savez", broken)
+  with pytest.raises(OSError):
+    replica.save(ex, state, folder, 0, seed=0)
+  monkeypatch.undo()
+  assert replica.steps(folder) == [1] and any(d.startswith(".tmp-") for d in os.listdir(folder))
+  got = logical(ex, replica.restore(ex, 1, [True, False], {0: folder}))
+  assert all(np.array_equal(got[k], v) for k, v in saved.items())
+  replica.save(ex, state, folder, 0, seed=0)
+  assert replica.steps(folder) == [1, 2] and not any(d.startswith(".tmp-") for d in os.listdir(folder))
+
+
+def test_agree_takes_the_latest_step_every_holder_has(tmp_path):
+  for s in (3, 4, 5):
+    os.makedirs(tmp_path / str(s))
+    (tmp_path / str(s) / replica.META).write_text("{}")
+  os.makedirs(tmp_path / ".tmp-6-1")
+  assert replica.agree(str(tmp_path), False, 7) == (5, [True], 7)
+  assert replica.agree(str(tmp_path), True, 7) is None
+  assert replica.agree(str(tmp_path / "none"), False, 7) is None
+
+
+def test_membership_record():
+  rec = report.membership({"kind": "node_lost", "failed": 100.0, "detected": 100.5, "last_step": 20}, 130.5, 19)
+  assert (rec["detect_s"], rec["resume_s"], rec["steps_lost"], rec["resumed_from"]) == (0.5, 30.0, 1, 19)
+  rows = [{"step": 1}, {"step": 20, "event": rec}, {"step": 41, "event": {"kind": "node_rejoined"}}]
+  s = report.membership_summary(rows)
+  assert (s["nodes_lost"], s["nodes_rejoined"], len(s["events"])) == (1, 1, 2)
+
+
+# -- the supervisor, on stand-in processes ------------------------------------------------------------
+
+STAND_IN = r"""
+import json, os, sys, time
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+work, node, replicated = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+d = args["--replica_dir"]
+os.makedirs(d, exist_ok=True)
+json.dump({"plan": "P", "replicated": replicated, "why": None if replicated else "opt_state/x is sharded over ('node', 'gpu'), across nodes"}, open(os.path.join(d, "run.json"), "w"))
+if args["--process_id"] == "0":
+  with open(os.path.join(work, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": 1, "time": time.time(), "nodes": int(args["--num_processes"]), "event": json.loads(args.get("--event", "null"))}) + "\n")
+for _ in range(40 if os.path.exists(os.path.join(work, "finish")) else 600):
+  time.sleep(0.05)
+"""
+
+
+def stand_in_supervisor(tmp_path, replicated, **kw):
+  script = tmp_path / "node.py"
+  script.write_text(STAND_IN)
+  starts = []
+
+  def launch(s):
+    starts.append(s)
+    return subprocess.Popen([sys.executable, str(script), str(tmp_path), str(s.node), "1" if replicated else "0",
+                             *s.args], start_new_session=True)
+
+  lines = []
+  sup = supervisor.Supervisor(3, launch, str(tmp_path), lambda n: str(tmp_path / f"node{n}"), log=lines.append, **kw)
+  return sup, starts, lines
+
+
+def test_supervisor_restarts_the_survivors_and_the_node_that_comes_back(tmp_path):
+  sup, starts, lines = stand_in_supervisor(tmp_path, True, restart_after=0.5)
+  sup.start([0, 1, 2])
+  try:
+    while not sup.trained():
+      assert sup.poll() is None
+    sup.kill(1)
+    while sup.generation < 1:
+      assert sup.poll() is None
+    assert [(s.node, s.process_id, s.num_processes) for s in starts[3:]] == [(0, 0, 2), (2, 1, 2)]
+    assert "--event" in " ".join(starts[3].args) and all("--join" not in s.args for s in starts[3:])
+    while sup.generation < 2:
+      assert sup.poll() is None
+    (tmp_path / "finish").write_text("")
+    assert [(s.node, s.process_id, "--join" in s.args) for s in starts[5:]] == [(0, 0, False), (2, 1, False), (1, 2, True)]
+    while sup.poll() is None:
+      pass
+  finally:
+    sup.stop_all()
+  assert sup.status == 0
+  lost, back = sup.events
+  assert lost["kind"] == "node_lost" and lost["node"] == [1] and (lost["nodes_before"], lost["nodes"]) == (3, 2)
+  assert 0 <= lost["detected"] - lost["failed"] < 5
+  assert back["kind"] == "node_rejoined" and back["node"] == [1] and back["nodes"] == 3
+
+
+def test_supervisor_stops_a_plan_without_a_replica_per_node_in_one_line(tmp_path):
+  os.makedirs(tmp_path / "checkpoints" / "16")
+  sup, starts, lines = stand_in_supervisor(tmp_path, False, restart_after=0.5)
+  sup.start([0, 1, 2])
+  try:
+    while not sup.trained():
+      assert sup.poll() is None
+    sup.kill(2)
+    while sup.poll() is None:
+      pass
+  finally:
+    sup.stop_all()
+  assert sup.status == 1 and len(starts) == 3
+  assert len(lines) == 1 and lines[0].startswith("zerojax: node 2 lost after step 1; P holds no full replica")
+  assert "across nodes" in lines[0] and lines[0].endswith("start all 3 nodes again to resume from step 16, its last checkpoint")

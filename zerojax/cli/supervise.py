@@ -1,0 +1,91 @@
+"""Run train.py as N nodes on this machine under the supervisor (`zerojax.train.supervisor`): a node whose
+process dies is dropped and the survivors train on from their own copies; it rejoins when it is back.
+
+  python -m zerojax.cli.supervise --nodes 3 --devices 2 --workdir=DIR [--kill 2@20 --restart_after 20] \\
+      -- --gin_file=configs/mics.gin --gin_param=train.steps=60
+
+Each node is one train.py process with `--devices` CPU devices and its own folder DIR/replicas/node<i>
+(`--replica_root`); the arguments after `--` go to every train.py. `--kill NODE@STEP` SIGKILLs that
+node's process once step STEP is logged; `--restart_after SECONDS` starts a lost node again that long
+after its loss, as a cluster manager would. Exits with the run's status (0: finished; 1: stopped, with
+one line saying why and where it resumes). On a cluster, run the same supervisor with a `launch` that
+starts the node's process on its host (`benchmarks/cluster.py` starts them in network namespaces).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+
+from zerojax.train import supervisor as supervisor_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--nodes", type=int, default=2, help="nodes (one train.py process each)")
+  ap.add_argument("--devices", type=int, default=2, help="CPU devices per node")
+  ap.add_argument("--workdir", required=True, help="train.py's --workdir (shared by the nodes)")
+  ap.add_argument("--replica_root", default=None, help="the nodes' own folders are REPLICA_ROOT/node<i> "
+                  "(default WORKDIR/replicas)")
+  ap.add_argument("--port", type=int, default=12400, help="coordinator port (one more for each restart)")
+  ap.add_argument("--kill", action="append", default=[], metavar="NODE@STEP",
+                  help="SIGKILL node NODE's process once step STEP is logged (repeatable)")
+  ap.add_argument("--restart_after", type=float, default=None, metavar="SECONDS",
+                  help="start a lost node again this long after its loss (default: never)")
+  ap.add_argument("--logs", default=None, help="folder for each process's output (default WORKDIR/logs)")
+  ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py's arguments")
+  return ap
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
+  rest = [a for a in args.train_args if a != "--"] if args.train_args[:1] == ["--"] else args.train_args
+  if args.nodes < 1 or args.devices < 1:
+    print(f"supervise: need --nodes >= 1 and --devices >= 1 (got {args.nodes}, {args.devices})", file=sys.stderr)
+    return 2
+  try:
+    kill_at = dict(supervisor_lib.parse_kill(k) for k in args.kill)
+  except ValueError as e:
+    print(f"supervise: {e}", file=sys.stderr)
+    return 2
+  bad = [n for n in kill_at if not 0 <= n < args.nodes]
+  if bad:
+    print(f"supervise: --kill names node {bad[0]}, but the nodes are 0..{args.nodes - 1}", file=sys.stderr)
+    return 2
+  workdir = os.path.abspath(args.workdir)
+  root = os.path.abspath(args.replica_root or os.path.join(workdir, "replicas"))
+  logs = os.path.abspath(args.logs or os.path.join(workdir, "logs"))
+  os.makedirs(logs, exist_ok=True)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  env.update(JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"), PYTHONUNBUFFERED="1")
+  # a restart compiles the programs of the earlier generations again: cache them (JAX's persistent cache)
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax-cache"))
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+  def launch(s: supervisor_lib.Start) -> subprocess.Popen:
+    cmd = [sys.executable, os.path.join(REPO, "train.py"), f"--workdir={workdir}", f"--devices={args.devices}",
+           f"--coordinator=localhost:{args.port + s.generation}", *s.args, *rest]
+    out = open(os.path.join(logs, f"node{s.node}.log"), "a")
+    out.write(f"--- generation {s.generation}: process {s.process_id} of {s.num_processes}\n")
+    out.flush()
+    try:
+      return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+      out.close()
+
+  sup = supervisor_lib.Supervisor(args.nodes, launch, workdir, lambda n: os.path.join(root, f"node{n}"),
+                                  restart_after=args.restart_after, kill_at=kill_at,
+                                  log=lambda m: print(m, flush=True))
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+  try:
+    return sup.run()
+  except KeyboardInterrupt:
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,255 @@
+"""A node's own copy of the train state, written to its local disk every few steps, and the restore of a
+run onto another number of nodes from the copies its nodes hold.
+
+Plans that hold a full replica of the model states on every node (MiCS with a group inside a node, with
+or without Radius; DiLoCo over it; data parallelism) lose nothing the survivors do not hold when a node
+dies. Each process writes its node's part of the logical train state (`zerojax.train.state_spec`): every
+leaf that is the same on every node, and its own row of each leaf held one row per node (DiLoCo's
+replicas, Radius's residuals). A write goes to a temporary folder renamed to `<step>` when complete, so a
+failure while writing leaves the previous copies as they were; the last `keep` are kept.
+
+A restart with another number of nodes (`restore`) takes each leaf that is the same on every node from
+one holder (the newcomers receive it over the interconnect: a masked sum over the nodes, exact), and
+builds the per-node rows by the rule of merging and splitting replicas:
+
+  - a surviving node keeps its own row (its DiLoCo replica and inner optimizer state, its residual);
+  - a dropped node's row is discarded;
+  - a new node's DiLoCo replica starts from the outer parameters (DiLoCo, Douillard et al. 2023,
+    Algorithm 1: every replica restarts from them at a sync), its inner optimizer state is the first
+    holder's (as a recovering replica group takes a healthy peer's in torchft), its skip count 0, and a
+    component's row (Radius's residual: nothing unsent) starts at its fresh value.
+
+Plans that shard a model state across nodes (ZeRO-3, ZeRO++, MiCS groups spanning nodes) hold no
+replica per node; `unsupported` says why.
+
+  DIR/<step>/state.npz   this node's logical arrays, keyed like the checkpoint's leaves ("params/...")
+  DIR/<step>/meta.json   step, node, nodes, plan and the run's meta (seed, first loss, settings)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax.mesh import AXES
+from zerojax.train.state_spec import SEP, CheckpointError, logical_state, state_spec_of
+
+NODE = AXES[0]
+STATE, META, RUN = "state.npz", "meta.json", "run.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCopy:
+  """What a process of a supervised run is told about its node's copy (`train.py --replica_dir`).
+
+  Attributes:
+    directory: the node's own folder (its local disk).
+    joining: the node has no current copy (restarted or replaced): it takes the copy from a holder.
+    event: the membership change this start follows (`zerojax.train.supervisor`), or None.
+  """
+  directory: str
+  joining: bool = False
+  event: dict | None = None
+
+
+def write_run(directory: str, **fields) -> None:
+  """`directory/run.json`: the plan and whether it holds a replica per node (read by the supervisor)."""
+  os.makedirs(directory, exist_ok=True)
+  tmp = os.path.join(directory, f".{RUN}.{os.getpid()}")
+  with open(tmp, "w") as f:
+    json.dump(fields, f)
+  os.replace(tmp, os.path.join(directory, RUN))
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def per_node(executor, leaf) -> bool:
+  """Whether a stored leaf holds one row per node: `[nodes, ...]`, its first dimension sharded over the
+  node axis alone (DiLoCo's replicas, Radius's residual)."""
+  spec = tuple(leaf.sharding.spec)
+  return (len(leaf.shape) > 0 and len(spec) > 0 and _axes(spec[0]) == (NODE,)
+          and leaf.shape[0] == executor.mesh.shape[NODE])
+
+
+def unsupported(executor) -> str | None:
+  """Why the nodes of `executor`'s run do not each hold a full replica of the train state (a leaf sharded
+  over the node axis, other than a per-node row), or None when they do."""
+  for leaf in state_spec_of(executor).leaves:
+    spec = tuple(leaf.sharding.spec)
+    rest = spec[1:] if per_node(executor, leaf) else spec
+    if any(NODE in _axes(e) for e in rest):
+      return f"{SEP.join(leaf.names)} is sharded over {rest}, across nodes"
+  return None
+
+
+def steps(directory: str | None) -> list[int]:
+  """The complete copies in a node's folder, oldest first."""
+  if not directory or not os.path.isdir(directory):
+    return []
+  return sorted(int(d) for d in os.listdir(directory)
+                if d.isdigit() and os.path.exists(os.path.join(directory, d, META)))
+
+
+def read_meta(directory: str, step: int) -> dict:
+  with open(os.path.join(directory, str(step), META)) as f:
+    return json.load(f)
+
+
+def _node_part(x, mesh, node: int, row: bool) -> np.ndarray:
+  """Node `node`'s part of the global array `x`: the whole array (every node's devices hold all of it),
+  or with `row` its row of a per-node leaf. Reads only this process's shards."""
+  devices = set(mesh.devices[node].flat)
+  out = np.zeros(x.shape[1:] if row else x.shape, x.dtype)
+  for s in x.addressable_shards:
+    if s.device not in devices:
+      continue
+    data, index = np.asarray(s.data), tuple(s.index)
+    if row:
+      data, index = data[0], index[1:]
+    out[index] = data
+  return out
+
+
+def save(executor, state, directory: str, node: int, keep: int = 2, **meta) -> str:
+  """Writes node `node`'s copy of `state` to `directory/<step>` (atomically); keeps the last `keep`
+  and removes copies of later steps (left from before a restart). Every process calls it at the same
+  step (the conversion to the logical layout is one program over the mesh); only `node`'s shards are
+  read, which must be this process's. Returns the folder."""
+  spec = state_spec_of(executor)
+  values = spec.unnest(logical_state(executor, state))
+  step = int(state.step)
+  arrays = {SEP.join(l.names): _node_part(x, executor.mesh, node, per_node(executor, l))
+            for l, x in zip(spec.leaves, values)}
+  os.makedirs(directory, exist_ok=True)
+  tmp = os.path.join(directory, f".tmp-{step}-{os.getpid()}")
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  np.savez(os.path.join(tmp, STATE), **arrays)
+  info = {"step": step, "node": node, "nodes": int(executor.mesh.shape[NODE]), "plan": executor.plan.name, **meta}
+  with open(os.path.join(tmp, META), "w") as f:
+    json.dump(info, f)
+  final = os.path.join(directory, str(step))
+  shutil.rmtree(final, ignore_errors=True)
+  os.rename(tmp, final)
+  done = steps(directory)
+  for s in [s for s in done if s > step] + [s for s in done if s <= step][:-keep]:
+    shutil.rmtree(os.path.join(directory, str(s)), ignore_errors=True)
+  for d in os.listdir(directory):  # temporaries of earlier processes that died while writing
+    if d.startswith(".tmp-") and d != os.path.basename(tmp):
+      shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
+  return final
+
+
+def agree(directory: str | None, joining: bool, seed: int, slots: int = 8):
+  """On every process at start: the latest step every holder's folder has (a holder: a process with
+  copies that is not `joining`), which processes hold it, and the data seed of the first holder.
+
+  Returns:
+    `(step, held, seed)` (`held[p]` for process p), or None when no process holds a copy or the holders
+    share no step (then the run starts from its checkpoint).
+  """
+  mine = [] if joining else steps(directory)[-slots:]
+  vec = np.full((slots + 2,), -1, np.int64)
+  vec[0], vec[1] = int(bool(mine)), seed
+  vec[2:2 + len(mine)] = mine
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    rows = np.asarray(multihost_utils.process_allgather(vec)).reshape(jax.process_count(), -1)
+  else:
+    rows = vec[None]
+  held = [bool(r[0] == 1) for r in rows]
+  if not any(held):
+    return None
+  common = set.intersection(*(set(int(s) for s in r[2:] if s >= 0) for r, h in zip(rows, held) if h))
+  if not common:
+    return None
+  first = held.index(True)
+  return max(common), held, int(rows[first][1])
+
+
+def restore(executor, step: int, held: Sequence[bool], folders: dict[int, str]):
+  """The `TrainState` of `step` on `executor`'s mesh from the nodes' copies (the module docstring's rule).
+
+  Args:
+    executor: the run restored into; its mesh has `len(held)` nodes.
+    step: the step every holder's folder has.
+    held: per node of the new mesh, whether it holds a copy of `step` (others are new).
+    folders: for the nodes whose devices are this process's and that hold a copy, their folder.
+  """
+  mesh, spec = executor.mesh, state_spec_of(executor)
+  nodes = int(mesh.shape[NODE])
+  if len(held) != nodes or not any(held):
+    raise CheckpointError(f"restoring step {step} onto {nodes} nodes needs a holder flag per node and at least "
+                          f"one holder; got {list(held)}")
+  src = list(held).index(True)
+  loaded = {}
+
+  def node_arrays(node):
+    if node not in loaded:
+      where = os.path.join(folders[node], str(step))
+      try:
+        with np.load(os.path.join(where, STATE)) as f:
+          loaded[node] = {k: f[k] for k in f.files}
+      except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"the node copy {where} cannot be read ({type(e).__name__}: {e}); "
+                              "remove that folder to restart from an earlier copy or the checkpoint") from e
+    return loaded[node]
+
+  keys = [SEP.join(l.names) for l in spec.leaves]
+  rows = [per_node(executor, l) for l in spec.leaves]
+  staged = []
+  for l, key, row in zip(spec.leaves, keys, rows):
+    shape = tuple(l.shape[1:] if row else l.shape)
+    inner = tuple(l.sharding.spec)[1:] if row else tuple(l.sharding.spec)
+    sharding = NamedSharding(mesh, P(NODE, *inner))
+
+    def fill(index, l=l, key=key, shape=shape):
+      node = index[0].start or 0
+      if not held[node]:
+        return np.zeros((1,) + shape, l.dtype)[(slice(None),) + tuple(index[1:])]
+      x = node_arrays(node).get(key)
+      if x is None or tuple(x.shape) != shape or x.dtype != l.dtype:
+        got = "no such leaf" if x is None else f"shape {tuple(x.shape)} {x.dtype}"
+        raise CheckpointError(f"the node copy in {folders[node]} of step {step} has {got} for {key}, expected "
+                              f"shape {shape} {np.dtype(l.dtype)}: it was written by another model or optimizer")
+      return np.asarray(x)[tuple(index[1:])][None]
+
+    staged.append(jax.make_array_from_callback((nodes,) + shape, sharding, fill))
+  outer = {SEP.join(l.names[2:]): i for i, l in enumerate(spec.leaves) if l.names[:2] == ("outer", "params")}
+  where_held = np.asarray(held)
+
+  def assemble(xs):
+    def pick(x):  # the first holder's copy on every node: exact (the others add zeros)
+      mask = jnp.asarray(np.arange(nodes) == src).reshape((nodes,) + (1,) * (x.ndim - 1))
+      return jnp.any(x & mask, 0) if x.dtype == jnp.bool_ else jnp.sum(jnp.where(mask, x, jnp.zeros_like(x)), 0)
+
+    out = []
+    for l, x, row in zip(spec.leaves, xs, rows):
+      if not row:
+        out.append(pick(x))
+        continue
+      rest = SEP.join(l.names[1:])
+      if l.kind == "component" or l.names[0] == "skipped":
+        new = jnp.full(x.shape[1:], l.stored.fill if l.stored else 0, x.dtype)
+      elif l.names[0] == "params" and rest in outer:
+        new = pick(xs[outer[rest]]).astype(x.dtype)
+      else:
+        new = pick(x)
+      keep = jnp.asarray(where_held).reshape((nodes,) + (1,) * (x.ndim - 1))
+      out.append(jnp.where(keep, x, new[None]))
+    return out
+
+  values = jax.jit(assemble, out_shardings=[l.sharding for l in spec.leaves])(staged)
+  state = spec.from_logical(spec.nest(values))
+  if int(state.step) != step:
+    raise CheckpointError(f"the node copies of step {step} hold step {int(state.step)}; a folder was renamed")
+  return state

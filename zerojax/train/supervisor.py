@@ -1,0 +1,257 @@
+"""A small supervisor of a multi-node run: when a node's process dies, it stops the others and starts
+the survivors again with one node fewer; when the node comes back, it starts the run at full size.
+
+Plans that hold a full replica of the train state per node (`zerojax.train.replica`) lose nothing the
+survivors do not hold: every process writes its node's copy each `train.replica_every` steps, and a
+start resumes from the latest step every surviving node holds, on any number of nodes; a node that
+rejoins takes its copy from a survivor (`train.py --join`). JAX's distributed runtime cannot shrink a
+running job on CPUs (gloo), so the survivors are restarted: the route that works on every jax this
+project supports. Plans without a replica per node (ZeRO-3, ZeRO++, MiCS groups spanning nodes) stop
+with one line naming the step they resume from (their last checkpoint), as without the supervisor.
+
+The supervisor launches one process per node through `launch(Start)`: a local process
+(`zerojax.cli.supervise`), one in a network namespace (`benchmarks/cluster.py`), or whatever a cluster
+manager runs on the node's host. Each membership change is passed to the next start (`train.py
+--event`), whose first logged step records it in metrics.jsonl (time to detect, time to resume, steps
+lost; `zerojax.train.report.membership`).
+
+References:
+  torchft (replica groups that leave and rejoin, a recovering group taking a healthy peer's weights).
+  DiLoCo, Douillard et al. 2023, §3 (workers leaving and joining).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import time
+from typing import Callable
+
+from zerojax.train import replica as replica_lib, report
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """One node's process of one generation of the run.
+
+  Attributes:
+    node: the node (a fixed index, also after others left).
+    process_id, num_processes: its place in this generation (the holders first, in node order).
+    coordinator: the node of process 0, which hosts JAX's coordinator.
+    generation: 0 for the first start, one more for each restart (e.g. a fresh coordinator port).
+    args: the train.py flags the supervisor adds (--num_processes, --process_id, --replica_dir, --join,
+      --event); the launcher adds --coordinator and the run's own flags.
+  """
+  node: int
+  process_id: int
+  num_processes: int
+  coordinator: int
+  generation: int
+  args: tuple[str, ...]
+
+
+def parse_kill(text: str) -> tuple[int, int]:
+  """`NODE@STEP` (cluster.py's and supervise's --kill) -> (node, step)."""
+  try:
+    node, step = (int(x) for x in text.split("@"))
+  except ValueError:
+    raise ValueError(f"--kill {text!r} is not NODE@STEP, e.g. 2@20 (SIGKILL node 2 when step 20 is logged)")
+  return node, step
+
+
+class Supervisor:
+  """Runs `nodes` processes through `launch` and restarts them on a loss or a rejoin (module docstring).
+
+  Args:
+    nodes: the nodes of the full-size run.
+    launch: starts one node's process (`Start`) and returns it.
+    workdir: the run's workdir (metrics.jsonl, checkpoints/).
+    replica_dir: node -> its own folder for its copy.
+    restart_after: seconds after a loss at which the lost node is started again (None: only `ready`).
+    kill_at: node -> step: SIGKILL that node's process once the lead logged the step (fault injection).
+    log: prints one line.
+    stop_grace_s: seconds the processes get to stop on SIGTERM before a rejoin.
+  """
+
+  def __init__(self, nodes: int, launch: Callable[[Start], subprocess.Popen], workdir: str,
+               replica_dir: Callable[[int], str], restart_after: float | None = None,
+               kill_at: dict[int, int] | None = None, log: Callable[[str], None] = print, stop_grace_s: float = 120):
+    self.nodes, self.launch, self.workdir, self.replica_dir = nodes, launch, workdir, replica_dir
+    self.restart_after, self.kill_at, self.log, self.stop_grace_s = restart_after, dict(kill_at or {}), log, stop_grace_s
+    self.procs: dict[int, subprocess.Popen] = {}
+    self.members: list[int] = []
+    self.generation = -1
+    self.killed: dict[int, float] = {}    # node -> when it was SIGKILLed here
+    self.back: dict[int, float] = {}      # lost node -> when it is ready again
+    self.events: list[dict] = []
+    self.status: int | None = None
+    self.started_at = 0.0
+
+  # -- the run's state, read from its files ---------------------------------------------------------
+
+  def last_step(self) -> int | None:
+    rows = report.read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
+    return max((r["step"] for r in rows if "step" in r), default=None)
+
+  def trained(self) -> bool:
+    """Whether the current generation has logged a step."""
+    rows = report.read_metrics(os.path.join(self.workdir, "metrics.jsonl"))
+    return bool(rows) and rows[-1].get("time", 0) > self.started_at
+
+  def last_checkpoint(self) -> int | None:
+    folder = os.path.join(self.workdir, "checkpoints")
+    done = [int(d) for d in os.listdir(folder) if d.isdigit()] if os.path.isdir(folder) else []
+    return max(done, default=None)
+
+  def run_info(self) -> dict | None:
+    """What a process wrote about its plan (`replica.write_run`), from any member's folder."""
+    for node in self.members:
+      try:
+        with open(os.path.join(self.replica_dir(node), replica_lib.RUN)) as f:
+          return json.load(f)
+      except (OSError, ValueError):
+        continue
+    return None
+
+  # -- starting and stopping ------------------------------------------------------------------------
+
+  def start(self, members: list[int], joining: tuple[int, ...] = (), event: dict | None = None) -> None:
+    self.generation += 1
+    self.started_at = time.time()
+    order = [n for n in members if n not in joining] + [n for n in members if n in joining]
+    self.members, self.procs = order, {}
+    for pid, node in enumerate(order):
+      args = [f"--num_processes={len(order)}", f"--process_id={pid}", f"--replica_dir={self.replica_dir(node)}"]
+      args += ["--join"] if node in joining else []
+      args += [f"--event={json.dumps(event)}"] if event else []
+      self.procs[node] = self.launch(Start(node, pid, len(order), order[0], self.generation, tuple(args)))
+    if event:
+      self.events.append(event)
+
+  def kill(self, node: int) -> None:
+    """SIGKILLs node `node`'s process (a node that dies) and notes when."""
+    p = self.procs.get(node)
+    if p is not None and p.poll() is None:
+      self.killed[node] = time.time()
+      _signal(p, signal.SIGKILL)
+
+  def ready(self, node: int) -> None:
+    """Node `node` is back (a cluster manager restarted or replaced it): it rejoins at the next poll."""
+    self.back[node] = min(self.back.get(node, time.time()), time.time())
+
+  def stop_all(self, sig=signal.SIGKILL, grace_s: float = 10) -> dict[int, int]:
+    """Sends `sig` to every running process and waits (SIGKILL after `grace_s`); their exit codes."""
+    for p in self.procs.values():
+      if p.poll() is None:
+        _signal(p, sig)
+    deadline = time.time() + grace_s
+    for p in self.procs.values():
+      try:
+        p.wait(timeout=max(0.1, deadline - time.time()))
+      except subprocess.TimeoutExpired:
+        _signal(p, signal.SIGKILL)
+        p.wait()
+    return {n: p.returncode for n, p in self.procs.items()}
+
+  # -- one round of watching ------------------------------------------------------------------------
+
+  def poll(self) -> int | None:
+    """Checks the processes once: injects a due kill, handles a loss or a due rejoin. Returns the run's
+    exit status when it is over (0: finished), else None."""
+    if self.status is not None:
+      return self.status
+    codes = {n: p.poll() for n, p in self.procs.items()}
+    if all(c == 0 for c in codes.values()):
+      self.status = 0
+      return 0
+    dead = [n for n, c in codes.items() if c not in (None, 0)]
+    if dead:
+      return self._lost(dead, codes)
+    self._inject()
+    now = time.time()
+    due = sorted(n for n, t in self.back.items() if t <= now)
+    if due and self.trained():  # a generation that has not trained a step yet is left to start
+      self._rejoin(due)
+    return self.status
+
+  def run(self, poll_s: float = 0.05) -> int:
+    """Starts the full-size run and watches it until it is over; returns its exit status."""
+    self.start(list(range(self.nodes)))
+    try:
+      while self.poll() is None:
+        time.sleep(poll_s)
+    finally:
+      self.stop_all()
+    return self.status
+
+  def _inject(self) -> None:
+    if not self.kill_at:
+      return
+    last = self.last_step()
+    for node, step in list(self.kill_at.items()):
+      if last is not None and last >= step and node in self.procs:
+        del self.kill_at[node]
+        self.log(f"zerojax: supervisor: killing node {node} (SIGKILL) at step {last}")
+        self.kill(node)
+
+  def _lost(self, dead: list[int], codes: dict[int, int | None]) -> int | None:
+    detected = time.time()
+    by_signal = [n for n in dead if codes[n] < 0 and codes[n] != -signal.SIGTERM]
+    lost = by_signal or dead  # peers that fail because a node died exit with an error, not a signal
+    last = self.last_step()
+    self.stop_all(signal.SIGKILL)  # the survivors wait in a collective for the dead node: nothing to save
+    survivors = [n for n in self.members if n not in lost]
+    info = self.run_info() or {}
+    plan = info.get("plan", "the plan")
+    if not info.get("replicated"):
+      resume = self.last_checkpoint()
+      why = f" ({info['why']})" if info.get("why") else ""
+      self.log(f"zerojax: node {', '.join(map(str, lost))} lost after step {last}; {plan} holds no full replica "
+               f"of the train state per node{why}, so the run stops; start all {self.nodes} nodes again to "
+               + (f"resume from step {resume}, its last checkpoint" if resume is not None else
+                  "start over (no checkpoint was saved)"))
+      self.status = 1
+      return 1
+    if not survivors:
+      self.log(f"zerojax: every node was lost after step {last}; start them again to resume")
+      self.status = 1
+      return 1
+    for n in lost:
+      if self.restart_after is not None:
+        self.back[n] = detected + self.restart_after
+    event = {"kind": "node_lost", "node": lost, "nodes_before": len(self.members), "nodes": len(survivors),
+             "failed": min((self.killed[n] for n in lost if n in self.killed), default=None),
+             "detected": detected, "last_step": last, "plan": plan}
+    self.log(f"zerojax: supervisor: node {', '.join(map(str, lost))} lost after step {last}; restarting "
+             f"{len(survivors)} nodes {survivors} from their own copies")
+    self.start(survivors, event=event)
+    return None
+
+  def _rejoin(self, due: list[int]) -> None:
+    since = min(self.back[n] for n in due)
+    for n in due:
+      del self.back[n]
+    codes = self.stop_all(signal.SIGTERM, self.stop_grace_s)  # finish the step, write the copies
+    stopped = [n for n, c in codes.items() if c in (0, -signal.SIGTERM, 128 + signal.SIGTERM)]
+    if all(c == 0 for c in codes.values()):
+      self.status = 0
+      return
+    members = sorted(set(stopped) | set(due))
+    event = {"kind": "node_rejoined", "node": due, "nodes_before": len(stopped), "nodes": len(members),
+             "failed": None, "detected": since, "last_step": self.last_step()}
+    self.log(f"zerojax: supervisor: node {', '.join(map(str, due))} back; restarting {len(members)} nodes "
+             f"{members}, node {', '.join(map(str, due))} taking the copy from node {stopped[0] if stopped else '?'}")
+    self.start(members, joining=tuple(due), event=event)
+
+
+def _signal(p: subprocess.Popen, sig) -> None:
+  """`sig` to the process's group when it leads one (a launcher that starts a shell), else to it."""
+  try:
+    if os.getpgid(p.pid) == p.pid:
+      os.killpg(p.pid, sig)
+    else:
+      p.send_signal(sig)
+  except ProcessLookupError:
+    pass
