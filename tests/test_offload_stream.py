@@ -1,0 +1,78 @@
+"""The streamed offloaded update (`zerojax.step`'s `_streamed_update`, `zerojax.offload.global_scalars` /
+`run_chunk`): chunk by chunk, it computes what the whole update computes, bit for bit, for dp and a flax
+model (zero3 and mics: tests/test_offload.py); an optimizer that reduces its own states is refused."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+import zerojax.plan as plans
+from tests import flax_models as fm
+from tests import helpers
+from zerojax import offload
+
+BOTH = ("opt_state", "master")
+
+
+def same(a, b) -> bool:
+  a, b = jax.device_get(a), jax.device_get(b)
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_a_chunk_with_the_global_scalars_is_the_whole_update_on_it():
+  """Clipped SGD with momentum on two leaves: the update of one leaf alone, with the norm of both, equals the whole
+  update's on that leaf, bitwise; with its own norm (plain optax on the leaf) it does not."""
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+  g = {"a": jnp.arange(1.0, 7.0), "b": jnp.full((3,), 5.0)}
+  p = {"a": jnp.ones(6), "b": jnp.ones(3)}
+  s = opt.init(p)
+  whole, _ = opt.update(g, s, p)
+  scalars = offload.global_scalars(opt.update, g, s, p)
+  assert len(scalars) >= 2  # the norm's partial sums, the norm, the clipping's test
+  cut = lambda t: {"a": t["a"], "b": t["b"][:0]}
+  part, _ = offload.run_chunk(opt.update, scalars, cut(g), jax.tree.map(lambda x: cut(x) if isinstance(x, dict) else x,
+                              s, is_leaf=lambda x: isinstance(x, dict)), cut(p))
+  assert np.array_equal(part["a"], whole["a"])
+  alone, _ = opt.update(cut(g), opt.init(cut(p)), cut(p))
+  assert not np.array_equal(alone["a"], whole["a"])
+
+
+def test_an_optimizer_that_reduces_its_states_is_refused_in_one_line():
+  opt = optax.lamb(1e-3)
+  p = {"a": jnp.ones(4)}
+  with pytest.raises(ValueError, match="reduces its states or parameters to a scalar") as e:
+    offload.global_scalars(opt.update, p, opt.init(p), p)
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("off", [("opt_state",), BOTH])
+def test_dp_streamed_offload_trains_bitwise_what_the_device_trains(off):
+  mesh = zerojax.make_mesh(2, 4)
+  _, ref, _, ref_losses = helpers.run(plans.dp(), mesh, helpers.optimizer())
+  _, state, _, losses = helpers.run(plans.dp(offload=off), mesh, helpers.optimizer())
+  assert losses == ref_losses
+  assert same(state, ref)
+
+
+def test_flax_model_streamed_offload_trains_bitwise_what_the_device_trains():
+  """A linen model with scanned blocks, dropout and BatchNorm statistics, zero3, 2 steps."""
+  mesh = zerojax.make_mesh(2, 4)
+  out = {}
+  for off in ((), BOTH):
+    net = fm.Net(scan=True)
+    model = zerojax.from_linen(net, jax.tree.map(lambda x: x[:2], fm.batch()), fm.loss_fn, units=(fm.Block,),
+                               mutable=("batch_stats",), rngs=("dropout",))
+    ex = zerojax.Executor(model, helpers.optimizer(), plans.zero3(offload=off), mesh, accum_steps=2)
+    state, step, losses = ex.init(jax.random.key(0)), ex.step_fn(), []
+    for seed in range(2):
+      state, m = step(state, fm.batch(64, accum=2, seed=seed))
+      losses.append(float(m.loss))
+    out[off] = state, losses
+  assert out[BOTH][1] == out[()][1]
+  assert same(out[BOTH][0], out[()][0])
