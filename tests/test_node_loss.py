@@ -95,6 +95,7 @@ def test_restore_onto_one_node_fewer_and_back_follows_the_rule(tmp_path, plan):
   train(big, back, 3, 4)  # the restored state trains on the full mesh
 
 
+@pytest.mark.slow
 def test_mics_on_one_node_fewer_trains_the_same_step():
   """MiCS on 2 nodes after a loss takes the same step as on 3 (the same global batch, the same replica):
   equal up to float reassociation of the gradient's mean."""
@@ -107,6 +108,7 @@ def test_mics_on_one_node_fewer_trains_the_same_step():
     assert np.allclose(a[k], b[k], rtol=2e-5, atol=2e-6), k
 
 
+@pytest.mark.slow
 def test_radius_residuals_stay_with_their_nodes(tmp_path):
   """MiCS + Radius: the survivors keep their own residual rows, a newcomer's is empty (nothing unsent)."""
   plan = plans.mics(replica_sync=plans.radius(density=0.5, period=2, dense_steps=1), param_dtype="float32")
@@ -252,3 +254,37 @@ def test_supervisor_stops_a_plan_without_a_replica_per_node_in_one_line(tmp_path
   assert sup.status == 1 and len(starts) == 3
   assert len(lines) == 1 and lines[0].startswith("zerojax: node 2 lost after step 1; P holds no full replica")
   assert "across nodes" in lines[0] and lines[0].endswith("start all 3 nodes again to resume from step 16, its last checkpoint")
+
+
+# -- end to end: three train.py processes under the supervisor ---------------------------------------
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_a_node_dies_the_others_train_on_and_it_rejoins(tmp_path):
+  """3 nodes x 2 CPU devices, MiCS: node 2 is SIGKILLed when step 3 is logged, the two others train on
+  from their own copies, node 2 comes back and takes its copy from node 0; every step is logged once and
+  the run ends on 3 nodes, with the loss and the rejoin in metrics.jsonl and summary.json."""
+  from tests.helpers import free_port
+  from tests.train_helpers import ROOT, TINY, clean_env
+  steps = 8
+  params = [p for p in TINY if not p.startswith("train.batch_size")] + [
+      "train.batch_size=24", f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0"]
+  cmd = [sys.executable, "-m", "zerojax.cli.supervise", "--nodes=3", "--devices=2", f"--workdir={tmp_path}",
+         f"--port={free_port()}", "--kill=2@3", "--restart_after=1", "--", "--gin_file=configs/mics.gin",
+         *[f"--gin_param={p}" for p in params]]
+  r = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+  logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text()[-2000:] for i in range(3))
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:] + logs
+  rows = report.read_metrics(str(tmp_path / "metrics.jsonl"))
+  assert [x["step"] for x in rows] == list(range(1, steps + 1))
+  nodes = [x["nodes"] for x in rows]
+  assert nodes[0] == 3 and 2 in nodes and nodes[-1] == 3, nodes
+  assert all(isinstance(x["time"], float) for x in rows) and [x["time"] for x in rows] == sorted(x["time"] for x in rows)
+  lost, back = [x["event"] for x in rows if x.get("event")]
+  assert lost["kind"] == "node_lost" and lost["node"] == [2] and lost["nodes"] == 2
+  assert 0 <= lost["detect_s"] < 5 and lost["resume_s"] > 0 and lost["steps_lost"] in (0, 1)
+  assert back["kind"] == "node_rejoined" and back["nodes"] == 3 and back["steps_lost"] == 0
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["status"] == "finished" and summary["nodes"] == 3
+  assert (summary["membership"]["nodes_lost"], summary["membership"]["nodes_rejoined"]) == (1, 1)
+  assert "node 2 taking the copy from node 0" in r.stdout

@@ -230,7 +230,7 @@ class Supervisor:
     return None
 
   def _rejoin(self, due: list[int]) -> None:
-    since = min(self.back[n] for n in due)
+    since, acted = min(self.back[n] for n in due), time.time()  # back since; the restart starts now
     for n in due:
       del self.back[n]
     codes = self.stop_all(signal.SIGTERM, self.stop_grace_s)  # finish the step, write the copies
@@ -240,7 +240,7 @@ class Supervisor:
       return
     members = sorted(set(stopped) | set(due))
     event = {"kind": "node_rejoined", "node": due, "nodes_before": len(stopped), "nodes": len(members),
-             "failed": None, "detected": since, "last_step": self.last_step()}
+             "failed": None, "ready": since, "detected": acted, "last_step": self.last_step()}
     self.log(f"zerojax: supervisor: node {', '.join(map(str, due))} back; restarting {len(members)} nodes "
              f"{members}, node {', '.join(map(str, due))} taking the copy from node {stopped[0] if stopped else '?'}")
     self.start(members, joining=tuple(due), event=event)
