@@ -264,8 +264,14 @@ def main(argv=None) -> dict:
   if args.fit or args.fit_probe:
     args.d_model, args.seq = args.d_model or 4096, args.seq or 1024
     if args.fit_probe:
-      print("PROBE " + json.dumps(run_one(args)))
-      return {}
+      row = run_one(args)
+      row.update(layers=args.layers, d_model=args.d_model, seq=args.seq, offload=args.offload, jax=jax.__version__,
+                 parameters=gpt_params(args.d_model, args.layers))
+      print("PROBE " + json.dumps(row))
+      if args.out:
+        with open(args.out, "w") as f:
+          f.write(json.dumps(row, indent=1) + "\n")
+      return row
     result = fit(args)
   else:
     args.d_model, args.seq = args.d_model or 256, args.seq or 64

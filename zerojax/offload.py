@@ -26,7 +26,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from zerojax import layout as layout_lib
+import jax.numpy as jnp
+
+from zerojax import layout as layout_lib, logical as logical_lib
 from zerojax.jaxpr_walk import sub_jaxprs
 from zerojax.plan_checks import OFFLOADABLE
 
@@ -197,3 +199,34 @@ def chunk_layout(layout: layout_lib.Layout, unit: str, scanned: bool) -> layout_
   chunk = {u: jax.tree.map(one if u == unit else empty, tree[u], is_leaf=layout_lib.is_layout) for u in tree}
   leaves, treedef = jax.tree.flatten(chunk, is_leaf=layout_lib.is_layout)
   return layout_lib.Layout(treedef, tuple(leaves))
+
+
+def chunk_optimizer(optimizer, layout: layout_lib.Layout, unit: str, scanned: bool, to_user, from_user):
+  """(the user's `optimizer` on one chunk of `unit` (`chunk_layout`, through `logical.logical_optimizer`),
+  the indices of the optimizer-state leaves that are the unit's, (the chunk's parameter shapes, its state
+  leaves' shapes))."""
+  lay = chunk_layout(layout, unit, scanned)
+  opt = logical_lib.logical_optimizer(optimizer, lay, to_user, from_user)
+  shapes = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), lay.tree(),
+                        is_leaf=layout_lib.is_layout)
+  states = jax.tree.leaves(jax.eval_shape(opt.init, shapes))
+  return opt, [i for i, x in enumerate(states) if x.ndim and x.size], (shapes, states)
+
+
+def stream_layers(offload: HostOffload, chunk, grads, hp, hs):
+  """`chunk(grads, params, states)` over the layers of a scanned unit: a `lax.scan` whose step i fetches
+  layer i + 1's master weights `hp` and states `hs` (clamped: the last step fetches the last layer again),
+  updates layer i (fetched by the step before) and stores it; the stored layers stack in the memory their
+  field lives in. -> (new master, new states, the scalar states of the first layer's update)."""
+  n = jax.tree.leaves(grads)[0].shape[0]
+  take = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), tree)
+  get = lambda i: (offload.fetch("params", take(hp, i)), offload.fetch("opt_state", take(hs, i)))
+
+  def body(cur, xs):
+    i, g = xs
+    nxt = get(jnp.minimum(i + 1, n - 1))
+    p_new, s_new, sc = chunk(jax.tree.map(lambda x: x[None], g), *cur)
+    one = lambda t: jax.tree.map(lambda x: x[0], t)
+    return nxt, (offload.store("params", one(p_new)), offload.store("opt_state", one(s_new)), sc)
+  _, (p_new, s_new, sc) = lax.scan(body, get(0), (jnp.arange(n), grads))
+  return p_new, s_new, [x[0] for x in sc]

@@ -23,7 +23,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import gpu_aot, layout as layout_lib, logical as logical_lib, offload as offload_lib
+from zerojax import gpu_aot, logical as logical_lib, offload as offload_lib
 from zerojax.model import call_loss
 from zerojax.stateful import keep, keep_replicas
 from zerojax.train_state import TrainState
@@ -196,7 +196,10 @@ class StepMixin:
     new_leaves, new_params, stored = list(leaves), {}, []
     for k, u in enumerate(lay):
       scanned = u in self.model.scanned
-      opt, mine, empty = self._chunk_optimizer(u, scanned)
+      cache = self.__dict__.setdefault("_chunk_opts", {})
+      if u not in cache:
+        cache[u] = offload_lib.chunk_optimizer(self.user_optimizer, self.layout, u, scanned, self.to_user, self.from_user)
+      opt, mine, empty = cache[u]
       hp, hs = host.params[u], [leaves[i] for i in mine]
       _, (hp, hs) = lax.optimization_barrier((stored[k - 2] if k >= 2 else grads, (hp, hs)))
 
@@ -219,7 +222,7 @@ class StepMixin:
         p_new, s_new, sc = chunk(grads[u], off.fetch("params", hp), off.fetch("opt_state", hs))
         p_new, s_new = off.store("params", p_new), off.store("opt_state", s_new)
       else:
-        p_new, s_new, sc = self._scan_layers(chunk, grads[u], hp, hs)
+        p_new, s_new, sc = offload_lib.stream_layers(off, chunk, grads[u], hp, hs)
       new_params[u] = p_new
       for i, x in zip(mine, s_new):
         new_leaves[i] = x
@@ -228,38 +231,6 @@ class StepMixin:
           new_leaves[i] = x
       stored.append((p_new, s_new))
     return new_params, jax.tree.unflatten(treedef, new_leaves)
-
-  def _scan_layers(self, chunk, grads, hp, hs):
-    """`chunk` over the layers of a scanned unit: a `lax.scan` whose step i fetches layer i + 1's states
-    (clamped: the last step fetches the last layer again), updates layer i (fetched by the step before)
-    and stores it; the stored layers stack in the memory their field lives in."""
-    off = self.components.offload
-    n = jax.tree.leaves(grads)[0].shape[0]
-    take = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), tree)
-    get = lambda i: (off.fetch("params", take(hp, i)), off.fetch("opt_state", take(hs, i)))
-
-    def body(cur, xs):
-      i, g = xs
-      nxt = get(jnp.minimum(i + 1, n - 1))
-      p_new, s_new, sc = chunk(jax.tree.map(lambda x: x[None], g), *cur)
-      one = lambda t: jax.tree.map(lambda x: x[0], t)
-      return nxt, (off.store("params", one(p_new)), off.store("opt_state", one(s_new)), sc)
-    _, (p_new, s_new, sc) = lax.scan(body, get(0), (jnp.arange(n), grads))
-    return p_new, s_new, [x[0] for x in sc]
-
-  def _chunk_optimizer(self, unit: str, scanned: bool):
-    """(the optimizer on one chunk of `unit`, the indices of the optimizer-state leaves that are the unit's,
-    (the chunk's parameter and state shapes)): see `offload.chunk_layout`."""
-    cache = self.__dict__.setdefault("_chunk_opts", {})
-    if unit not in cache:
-      lay = offload_lib.chunk_layout(self.layout, unit, scanned)
-      opt = logical_lib.logical_optimizer(self.user_optimizer, lay, self.to_user, self.from_user)
-      shapes = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), lay.tree(),
-                            is_leaf=layout_lib.is_layout)
-      states = jax.tree.leaves(jax.eval_shape(opt.init, shapes))
-      mine = [i for i, x in enumerate(states) if x.ndim and x.size]
-      cache[unit] = (opt, mine, (shapes, states))
-    return cache[unit]
 
   def step_fn(self, state_shardings: TrainState | None = None):
     """The jitted `(state, batch) -> (state, StepMetrics)`; donates state.

@@ -70,7 +70,7 @@ class Workload:
   activation_bytes: int = 0
   grad_bytes: int = 4
   quant_s_per_element: float = 0.0
-  host_link_bytes_per_s: float = 50e9
+  host_link_bytes_per_s: float = 54e9  # each way, H100 PCIe 5 (probe.json, 2026-11-26: 54.7 / 54.3 GB/s)
 
   @classmethod
   def transformer(cls, *, layers: int, d_model: int, d_ff: int, vocab: int, accum: int, **kw) -> Workload:
@@ -224,8 +224,11 @@ def model_state_bytes(point: Point, work: Workload, gpus: int) -> dict:
 
 
 def offload_time(point: Point, work: Workload) -> float:
-  """Seconds per step moving the offloaded states to the device and back (`zerojax.offload`: after the
-  backward, not overlapped with it)."""
+  """Seconds per step moving the offloaded states to the device and back: the streamed update
+  (docs/offload.md) runs after the backward; in the compiled H100 program each layer's stores overlap its
+  update but its fetch (a kernel reading host memory) runs beside neither, so the two directions are
+  priced one after the other. At the measured 54 GB/s each way this is what the GPU kit's
+  `offload_cost.json` measures."""
   if not point.offload:
     return 0.0
   return 2 * (4 + work.opt_bytes_per_param) * work.numel / point.s_os / work.host_link_bytes_per_s
