@@ -19,11 +19,20 @@ the JSON (on stderr) lists them. A backend that raises gets its error in its row
 status 1 at the end). The qgZ intra-node step (dequant_sum_quantize) is also timed against the same
 steps unfused (dequantize the K slabs, sum, quantize: three separately compiled calls whose
 intermediates go through memory), at the largest size, with the bytes where the two differ.
-Prints one JSON object (device kind, jax version, rows, ceiling, summary); `--out FILE` also writes it
-(the GPU kit writes OUT_DIR/kernels.json).
+Each row of a Pallas or Triton kernel records its launch configuration (`launch_config`: per kernel
+the tuning key, the configuration and whether it was timed now, read from the cache, or the device
+kind's default; `pallas_kernels/tuning.py`). On a GPU, tuning is on by default: the first run times
+each kernel's candidates in its warmup call (minutes at 256M elements; not in the timed figures) and
+caches the winners, so later runs only read them (`--tuning 0` uses the defaults table instead).
+`best` lists, per op, bits and size, the fastest backend whose outputs equal xla's, its GB/s, its ratio
+to the reference copy ceiling (`--reference_copy`, default 3,009 GB/s: PyTorch's `copy_` on an H100
+SXM, docs/quantization.md) and to this run's own copy ceiling, and its launch configuration.
+Prints one JSON object (device kind, jax version, rows, ceiling, best, summary); `--out FILE` also
+writes it (the GPU kit writes OUT_DIR/kernels.json).
 
   python benchmarks/bench_kernels.py [--sizes 1M,16M,256M] [--backends xla,pallas,triton]
-      [--block 256] [--slabs 4] [--reps 5] [--copy_size 1G] [--no_fusion] [--out kernels.json]
+      [--block 256] [--slabs 4] [--reps 5] [--copy_size 1G] [--no_fusion] [--tuning 0|1]
+      [--reference_copy 3009] [--out kernels.json]
 
 Defaults: on a GPU sizes 1M, 4M, 16M, 64M, 256M elements and every backend it runs; on CPU 1M
 elements, xla and pallas.
@@ -46,12 +55,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallas_kernels import tuning  # noqa: E402
 from zerojax import quantization as Q  # noqa: E402
 
 NODES, GPUS = 2, 4
 GPU_SIZES = "1M,4M,16M,64M,256M"
 CPU_SIZES = "1M"
 GPU_COPY, CPU_COPY = "1G", "16M"  # bytes of the copy ceiling's buffer
+REFERENCE_COPY_GBPS = 3009.0  # PyTorch's copy_ on an H100 SXM 80GB (the second GPU run, 2026-11-26)
 
 
 def parse_size(text: str) -> int:
@@ -222,12 +233,16 @@ def bench_ops(n, block, k, backends, reps, ceiling_gbps, case_fn=None):
       ref, calls, info = None, {}, {}
       for i, backend in enumerate(backends):
         base = dict(op=op, backend=backend, bits=bits, elements=n, bytes=int(nbytes))
+        tuning.CHOSEN.clear()
         try:
           fn = jax.jit(make(backend))
-          out = jax.block_until_ready(fn(*args))
+          out = jax.block_until_ready(fn(*args))  # traces the kernels: their launch configurations
         except Exception as e:  # noqa: BLE001 - recorded in the row
           info[backend] = dict(base, error=error_text(e))
           continue
+        finally:
+          if backend in ("pallas", "triton"):
+            base["launch_config"] = {k: {"config": c, "source": src} for k, c, src in tuning.CHOSEN}
         if i == 0:
           ref, mismatch = out, None
         else:
@@ -296,6 +311,25 @@ def bench_fusion(n, block, k, backend, reps):
   return out
 
 
+def best_per_op(rows, ceiling_gbps, reference_gbps) -> list[dict]:
+  """Per (op, bits, elements): the fastest backend whose outputs equal xla's (xla itself included),
+  with its ratios to the reference and to the measured copy ceiling and its launch configuration."""
+  groups = {}
+  for r in rows:
+    if "gbps" in r and not any(r.get("mismatched_bytes_vs_xla") or []):
+      g = groups.setdefault((r["op"], r["bits"], r["elements"]), [])
+      g.append(r)
+  out = []
+  for (op, bits, n), g in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], -kv[0][1])):
+    b = max(g, key=lambda r: r["gbps"])
+    out.append(dict(op=op, bits=bits, elements=n, backend=b["backend"], gbps=b["gbps"],
+                    ratio_to_reference_copy=sig(b["gbps"] / reference_gbps, 3),
+                    ratio_to_measured_copy=sig(b["gbps"] / ceiling_gbps, 3) if ceiling_gbps else None,
+                    launch_config=sorted({v["config"] for v in b.get("launch_config", {}).values()}),
+                    others={r["backend"]: r["gbps"] for r in g if r is not b}))
+  return out
+
+
 def summarize(rows, fusion, ceiling) -> dict:
   """What the summary prints: the ceiling, per non-xla row its mismatched bytes, and every error."""
   mism = [dict(op=r["op"], bits=r["bits"], elements=r["elements"], backend=r["backend"],
@@ -336,6 +370,14 @@ def summary_text(result) -> str:
     else:
       lines.append(f"fused vs unfused {f['backend']} int{f['bits']}: {f['speedup']}x, mismatched bytes "
                    f"{f['mismatched_bytes_fused_vs_unfused']}")
+  ref = result["reference_copy_gbps"]
+  lines.append(f"best backend per op (equal to xla), against the reference copy {ref:g} GB/s and the measured "
+               f"{c['gbps']} GB/s:")
+  lines.append(f"{'op':22} {'bits':>4} {'elements':>10} {'backend':8} {'GB/s':>9} {'/ref':>6} {'/copy':>6}  config")
+  for b in result["best"]:
+    lines.append(f"{b['op']:22} {b['bits']:>4} {b['elements']:>10} {b['backend']:8} {b['gbps']:>9.2f} "
+                 f"{b['ratio_to_reference_copy']:>6} {b['ratio_to_measured_copy'] or '':>6}  "
+                 f"{'; '.join(b['launch_config']) or '-'}")
   s = result["summary"]
   lines.append(f"{s['rows_differing_from_xla']} of {s['rows_compared_with_xla']} compared rows differ from xla; "
                f"{len(s['errors'])} errors")
@@ -356,8 +398,16 @@ def main(argv=None) -> dict:
   ap.add_argument("--copy_size", default=None,
                   help=f"bytes of the copy ceiling's buffer (default {GPU_COPY} on GPU, {CPU_COPY} on CPU)")
   ap.add_argument("--no_fusion", action="store_true", help="skip the fused-vs-unfused comparison")
+  ap.add_argument("--tuning", choices=["0", "1"], default=None,
+                  help=f"time the kernels' launch configurations (1) or use the defaults table (0); default "
+                       f"${tuning.ENV}, else on where the device is a GPU")
+  ap.add_argument("--reference_copy", type=float, default=REFERENCE_COPY_GBPS,
+                  help="the copy ceiling (GB/s) the best backends are compared with (default: PyTorch's copy_ "
+                       "on an H100 SXM)")
   ap.add_argument("--out", default=None, help="also write the JSON to this file")
   args = ap.parse_args(argv)
+  if args.tuning is not None:
+    os.environ[tuning.ENV] = args.tuning
   on_gpu = jax.default_backend() == "gpu"
   unit = NODES * GPUS * args.block
   sizes = sorted({max(unit, parse_size(s) // unit * unit)
@@ -375,7 +425,11 @@ def main(argv=None) -> dict:
            "copy_gbps = the copy ceiling (copy_ceiling.gbps): the best median of the 4-byte-word copy "
            "variants over one buffer; ratio_to_copy = gbps / copy_gbps",
            "mismatched_bytes_vs_xla: bytes of each output differing from xla's ([values, scales] or "
-           "[output]); recorded, never a failure; null for xla, the reference"]
+           "[output]); recorded, never a failure; null for xla, the reference",
+           "launch_config: per kernel traced for the row, its tuning key, configuration and source (tuned "
+           "now in the warmup call, cached, or the device kind's default)",
+           "best: per op, bits and size the fastest backend equal to xla; ratio_to_reference_copy = gbps / "
+           "reference_copy_gbps, ratio_to_measured_copy = gbps / copy_ceiling.gbps"]
   if not on_gpu:
     notes.append("pallas runs in the Pallas interpreter on CPU (XLA ops per tile): it shows "
                  "correctness, not GPU speed; triton needs a CUDA GPU: not run")
@@ -389,7 +443,11 @@ def main(argv=None) -> dict:
   result = dict(
       device=str(jax.devices()[0].device_kind), platform=jax.default_backend(), jax=jax.__version__,
       block=args.block, slabs=args.slabs, reps=args.reps, sizes=sizes, backends=backends,
-      copy_ceiling=ceiling, rows=rows, qgz_intra_node_fused_vs_unfused=fusion,
+      copy_ceiling=ceiling, reference_copy_gbps=args.reference_copy,
+      tuning=dict(enabled=tuning.enabled(), gpu=tuning.gpu_here(), cache=str(tuning.cache_path()),
+                  defaults={k: v.text for k, v in tuning.DEFAULTS.items()}),
+      best=best_per_op(rows, ceiling["gbps"], args.reference_copy),
+      rows=rows, qgz_intra_node_fused_vs_unfused=fusion,
       summary=summarize(rows, fusion, ceiling), notes=notes)
   text = json.dumps(result, indent=1)
   print(text, flush=True)

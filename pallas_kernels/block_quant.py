@@ -33,13 +33,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import block_format, hadamard
-from pallas_kernels import per_platform
+from pallas_kernels import per_platform, tuning
 
-# Elements per grid step: in interpret mode as many as memory allows (each step is an iteration of
-# an XLA while loop that carries whole buffers; one step compiles to ordinary fused XLA), a
-# Triton-sized tile when compiled.
+# Elements per grid step in interpret mode: as many as memory allows (each step is an iteration of an
+# XLA while loop that carries whole buffers; one step compiles to ordinary fused XLA). Compiled, the
+# tile, warps and stages are a `tuning.Config`: tuned on the GPU, else the device kind's default.
 _INTERPRET_TILE = 1 << 22
-_GPU_TILE = 1 << 12
 
 
 # --- scalar arithmetic, IEEE round-to-nearest on every backend ------------------------------------
@@ -183,14 +182,11 @@ def _dequant_sum_kernel(*refs, bits, rotate):
 
 # --- launch helpers -------------------------------------------------------------------------------
 
-def _rows_per_tile(m: int, block: int, interpret: bool) -> int:
-  """Rows per grid step: a divisor of m (a power of two when compiled) within the tile budget."""
-  budget = max(1, (_INTERPRET_TILE if interpret else _GPU_TILE) // block)
+def _rows_per_tile(m: int, block: int, interpret: bool, cfg: tuning.Config | None = None) -> int:
+  """Rows per grid step: a divisor of m within the tile budget (compiled: `cfg.rows`, a power of two)."""
   if not interpret:
-    r = 1
-    while r * 2 <= budget and m % (r * 2) == 0:
-      r *= 2
-    return r
+    return (cfg or tuning.default()).rows(m, block)
+  budget = max(1, _INTERPRET_TILE // block)
   best = 1
   for d in range(1, int(m ** 0.5) + 1):
     if m % d == 0:
@@ -205,8 +201,8 @@ def _mat(*arrays):
   return max((jax.typeof(a).manual_axis_type for a in arrays), key=lambda t: len(t.varying))
 
 
-def _pallas(kernel, interpret: bool, name: str, **specs):
-  """pallas_call in interpret mode, or through the Triton lowering.
+def _pallas(kernel, interpret: bool, name: str, cfg: tuning.Config | None = None, **specs):
+  """pallas_call in interpret mode, or through the Triton lowering with `cfg`'s warps and stages.
 
   Triton compiler params select the Triton lowering (up to jax 0.11.1 the default was Mosaic GPU; from 0.11.2
   pallas_call lowers for GPUs through Triton only: docs/mosaic_gpu.md).
@@ -214,14 +210,17 @@ def _pallas(kernel, interpret: bool, name: str, **specs):
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as pltriton
-    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    cfg = cfg or tuning.default()
+    params = pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, name=name, **specs)
 
 
-def _run(launch, args, *, block: int, mat):
-  """The kernel for the platform the program is lowered for: `launch(interpret)` is a pallas_call
-  (with its tiles and arithmetic for that mode), interpreted on cpu, compiled through Triton on
-  cuda; where one cannot be built, lowering there raises an error naming the fix."""
+def _run(launch, args, *, block: int, mat, op: str, elements: int, slabs: int = 1):
+  """The kernel for the platform the program is lowered for: `launch(interpret, cfg, mat)` is a
+  pallas_call (with its tiles and arithmetic for that mode), interpreted on cpu, compiled through
+  Triton on cuda with the launch configuration `tuning.config` picks for `op` (timed on this GPU the
+  first time, where tuning is on); where one cannot be built, lowering there raises an error naming
+  the fix."""
   if mat.varying:
     cpu = per_platform.Refusal(
         "the Pallas interpreter cannot run inside jax.shard_map(check_vma=True) on this jax"
@@ -233,8 +232,16 @@ def _run(launch, args, *, block: int, mat):
     cuda = per_platform.Refusal(
         f"block={block}: the compiled Pallas kernels need a power-of-two block", ValueError)
   else:
-    cuda = launch(False)
+    cfg = tuning.config("pallas", op, elements=elements, block=block, slabs=slabs, dtype=args[0].dtype,
+                        make=lambda c: lambda *a: launch(False, c, _mat(*a))(*a), avals=args)
+    cuda = launch(False, cfg)
   return per_platform.choose(*args, cpu=cpu, cuda=cuda, like=launch(True))
+
+
+def _op(name: str, bits: int, rotate: bool = False, noisy: bool = False, dtype=None) -> str:
+  """The op's name in tuning keys: the kernel, bits, rotation, noise and output dtype it is built for."""
+  return "/".join([name, f"int{bits}"] + ["rotate"] * rotate + ["noise"] * noisy +
+                  ([jnp.dtype(dtype).name] if dtype is not None else []))
 
 
 def _out(shape, dtype, mat):
@@ -278,16 +285,16 @@ def quantize_rows(x_MxB: jax.Array, bits: int, rotate: bool = False,
   args = [x_MxB] + ([noise] if noise is not None else [])
   mat = _mat(*args)
   bp = _packed(b, bits)
-  out = (_out((m, bp), _value_dtype(bits), mat), _out((m,), jnp.float32, mat))
 
-  def launch(interpret):
-    r = _rows_per_tile(m, b, interpret)
+  def launch(interpret, cfg=None, mat=mat):
+    r = _rows_per_tile(m, b, interpret, cfg)
     kernel = functools.partial(_quantize_kernel, bits=bits, ops=_Ops(gpu=not interpret),
                                rotate=rotate, noisy=len(args) == 2)
-    return _pallas(kernel, interpret, "zerojax_quantize", out_shape=out, grid=(m // r,),
+    out = (_out((m, bp), _value_dtype(bits), mat), _out((m,), jnp.float32, mat))
+    return _pallas(kernel, interpret, "zerojax_quantize", cfg, out_shape=out, grid=(m // r,),
                    in_specs=[_tiles(r, b)] * len(args), out_specs=(_tiles(r, bp), _rows(r)))
 
-  return _run(launch, args, block=b, mat=mat)
+  return _run(launch, args, block=b, mat=mat, op=_op("quantize", bits, rotate, len(args) == 2), elements=m * b)
 
 
 def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int, rotate: bool = False,
@@ -305,20 +312,21 @@ def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int, rotate: bool =
   args = [a.reshape(n, g, s, nb, block)
           for a in [x_NxGxSxC] + ([noise] if noise is not None else [])]
   mat = _mat(*args)
-  out = (_out((s, g, n, nb, bp), _value_dtype(bits), mat), _out((s, g, n, nb), jnp.float32, mat))
 
-  def launch(interpret):
-    r = _rows_per_tile(nb, block, interpret)
+  def launch(interpret, cfg=None, mat=mat):
+    r = _rows_per_tile(nb, block, interpret, cfg)
     kernel = functools.partial(_quantize_kernel, bits=bits, ops=_Ops(gpu=not interpret),
                                rotate=rotate, noisy=len(args) == 2)
+    out = (_out((s, g, n, nb, bp), _value_dtype(bits), mat), _out((s, g, n, nb), jnp.float32, mat))
     return _pallas(
-        kernel, interpret, "zerojax_reorder_quantize", out_shape=out, grid=(s, g, n, nb // r),
+        kernel, interpret, "zerojax_reorder_quantize", cfg, out_shape=out, grid=(s, g, n, nb // r),
         in_specs=[pl.BlockSpec((sq, sq, sq, r, block),
                                lambda si, gi, ni, j: (ni, gi, si, j, 0))] * len(args),
         out_specs=(pl.BlockSpec((sq, sq, sq, r, bp), lambda si, gi, ni, j: (si, gi, ni, j, 0)),
                    pl.BlockSpec((sq, sq, sq, r), lambda si, gi, ni, j: (si, gi, ni, j))))
 
-  v, sc = _run(launch, args, block=block, mat=mat)
+  v, sc = _run(launch, args, block=block, mat=mat, op=_op("reorder_quantize", bits, rotate, len(args) == 2),
+               elements=n * g * s * c)
   return v.reshape(s, g, n, nb * bp), sc
 
 
@@ -328,15 +336,14 @@ def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype, rotate:
   b = bp if bits == 8 else 2 * bp
   args = [v_MxBp, s_M.astype(jnp.float32)]
   mat = _mat(*args)
-  out = _out((m, b), dtype, mat)
 
-  def launch(interpret):
-    r = _rows_per_tile(m, b, interpret)
+  def launch(interpret, cfg=None, mat=mat):
+    r = _rows_per_tile(m, b, interpret, cfg)
     return _pallas(functools.partial(_dequantize_kernel, bits=bits, rotate=rotate), interpret,
-                   "zerojax_dequantize", out_shape=out, grid=(m // r,),
+                   "zerojax_dequantize", cfg, out_shape=_out((m, b), dtype, mat), grid=(m // r,),
                    in_specs=[_tiles(r, bp), _rows(r)], out_specs=_tiles(r, b))
 
-  return _run(launch, args, block=b, mat=mat)
+  return _run(launch, args, block=b, mat=mat, op=_op("dequantize", bits, rotate, dtype=dtype), elements=m * b)
 
 
 def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, out_bits: int,
@@ -349,17 +356,18 @@ def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, 
   noisy = noise is not None
   args = [v_KxMxBp] * k + [s_KxM.astype(jnp.float32)] * k + ([noise] if noisy else [])
   mat = _mat(*args)
-  out = (_out((m, obp), _value_dtype(out_bits), mat), _out((m,), jnp.float32, mat))
 
-  def launch(interpret):
-    r = _rows_per_tile(m, b * k, interpret)
+  def launch(interpret, cfg=None, mat=mat):
+    r = _rows_per_tile(m, b * k, interpret, cfg)
     kernel = functools.partial(_dequant_sum_quantize_kernel, bits=bits, out_bits=out_bits,
                                ops=_Ops(gpu=not interpret), noisy=noisy)
-    return _pallas(kernel, interpret, "zerojax_dequant_sum_quantize", out_shape=out,
+    out = (_out((m, obp), _value_dtype(out_bits), mat), _out((m,), jnp.float32, mat))
+    return _pallas(kernel, interpret, "zerojax_dequant_sum_quantize", cfg, out_shape=out,
                    grid=(m // r,), in_specs=_slab_specs(k, r, bp) + ([_tiles(r, b)] if noisy else []),
                    out_specs=(_tiles(r, obp), _rows(r)))
 
-  return _run(launch, args, block=b, mat=mat)
+  return _run(launch, args, block=b, mat=mat, op=_op(f"dequant_sum_quantize/{out_bits}", bits, noisy=noisy),
+              elements=m * b, slabs=k)
 
 
 def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype, rotate: bool = False) -> jax.Array:
@@ -369,12 +377,12 @@ def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype, ro
   b = bp if bits == 8 else 2 * bp
   args = [v_KxMxBp] * k + [s_KxM.astype(jnp.float32)] * k
   mat = _mat(*args)
-  out = _out((m, b), dtype, mat)
 
-  def launch(interpret):
-    r = _rows_per_tile(m, b * k, interpret)
+  def launch(interpret, cfg=None, mat=mat):
+    r = _rows_per_tile(m, b * k, interpret, cfg)
     return _pallas(functools.partial(_dequant_sum_kernel, bits=bits, rotate=rotate), interpret,
-                   "zerojax_dequant_sum", out_shape=out, grid=(m // r,),
+                   "zerojax_dequant_sum", cfg, out_shape=_out((m, b), dtype, mat), grid=(m // r,),
                    in_specs=_slab_specs(k, r, bp), out_specs=_tiles(r, b))
 
-  return _run(launch, args, block=b, mat=mat)
+  return _run(launch, args, block=b, mat=mat, op=_op("dequant_sum", bits, rotate, dtype=dtype), elements=m * b,
+              slabs=k)

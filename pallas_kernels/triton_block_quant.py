@@ -37,12 +37,10 @@ import shutil
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import block_format, per_platform
+from pallas_kernels import block_format, per_platform, tuning
 
 CC_ENV = "ZEROJAX_TRITON_COMPUTE_CAPABILITY"
 PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
-
-_TILE = 1 << 12
 
 # Bound by `_kernels()` once triton is importable.
 tl = libdevice = None
@@ -105,9 +103,19 @@ def configure_ptxas() -> None:
     os.environ[k] = path
 
 
-def _launch(kernel, args, *, out, grid, **meta):
+def _launch(kernel, args, *, out, op, m, divisor, row_elements, block, slabs=1, **meta):
   """The kernel for the platform the program is lowered for: through jax-triton on cuda (with the
-  target's compute capability), refused elsewhere."""
+  target's compute capability), refused elsewhere. Its m rows run in m // ROWS programs of ROWS rows,
+  ROWS = `cfg.rows(divisor, row_elements)` with the launch configuration `tuning.config` picks (timed
+  on this GPU the first time, where tuning is on)."""
+  if block & (block - 1):
+    raise ValueError(f"block={block}: the Triton kernels need a power-of-two block")
+
+  def call(cfg, *a, **kw):
+    r = cfg.rows(divisor, row_elements)
+    return _call(kernel, *a, out=out, grid=(m // r,), ROWS=r, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages, **meta, **kw)
+
   cc = compute_capability()
   cpu = per_platform.Refusal(
       "backend='triton' compiles only for CUDA GPUs, and this program is lowered for {platform};"
@@ -118,8 +126,11 @@ def _launch(kernel, args, *, out, grid, **meta):
         f" device is here to ask: set {CC_ENV}=90 (H100) or 80 (A100)", RuntimeError)
   else:
     configure_ptxas()
-    cuda = lambda *a: _call(kernel, *a, out=out, grid=grid, compute_capability=cc, **meta)
-  like = lambda *a: _call(kernel, *a, out=out, grid=grid, **meta)
+    cfg = tuning.config("triton", op, elements=m * row_elements, block=block, slabs=slabs,
+                        dtype=args[0].dtype, avals=args,
+                        make=lambda c: functools.partial(call, c, compute_capability=cc))
+    cuda = functools.partial(call, cfg, compute_capability=cc)
+  like = functools.partial(call, tuning.default())
   return per_platform.choose(*args, cpu=cpu, cuda=cuda, like=like)
 
 
@@ -283,19 +294,10 @@ def _kernels():
 def _call(kernel, *args, out, grid, **meta):
   """jax_triton.triton_call across its API versions (`out_type`, formerly `out_shape`)."""
   import jax_triton as jt
-  kw = dict(kernel=kernel, grid=grid, num_warps=4, **meta)
+  kw = dict(kernel=kernel, grid=grid, **meta)
   new_api = "out_type" in inspect.signature(jt.triton_call).parameters
   kw["out_type" if new_api else "out_shape"] = out
   return jt.triton_call(*args, **kw)
-
-
-def _rows(m: int, block: int) -> int:
-  if block & (block - 1):
-    raise ValueError(f"block={block}: the Triton kernels need a power-of-two block")
-  r = 1
-  while r * 2 * block <= _TILE and m % (r * 2) == 0:
-    r *= 2
-  return r
 
 
 def _vdtype(bits):
@@ -309,25 +311,23 @@ def _packed(b, bits):
 def quantize_rows(x_MxB: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
   """[M, B] -> (values [M, Bp], scales [M]); see `pallas_kernels.block_quant.quantize_rows`."""
   m, b = x_MxB.shape
-  r = _rows(m, b)
   quantize, _ = _kernels()
   out = (jax.ShapeDtypeStruct((m, _packed(b, bits)), _vdtype(bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  return _launch(quantize, [x_MxB], out=out, grid=(m // r,), N=1, G=1, S=1, NB=m, ROWS=r, B=b,
-               BITS=bits)
+  return _launch(quantize, [x_MxB], out=out, op=f"quantize/int{bits}", m=m, divisor=m, row_elements=b,
+                 block=b, N=1, G=1, S=1, NB=m, B=b, BITS=bits)
 
 
 def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
   """[N, G, S, C] -> values [S, G, N, Cp], scales [S, G, N, C / block]."""
   n, g, s, c = x_NxGxSxC.shape
   nb = c // block
-  r = _rows(nb, block)
   quantize, _ = _kernels()
   m = n * g * s * nb
   out = (jax.ShapeDtypeStruct((m, _packed(block, bits)), _vdtype(bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  v, sc = _launch(quantize, [x_NxGxSxC.reshape(m, block)], out=out, grid=(m // r,), N=n, G=g, S=s,
-                NB=nb, ROWS=r, B=block, BITS=bits)
+  v, sc = _launch(quantize, [x_NxGxSxC.reshape(m, block)], out=out, op=f"reorder_quantize/int{bits}", m=m,
+                  divisor=nb, row_elements=block, block=block, N=n, G=g, S=s, NB=nb, B=block, BITS=bits)
   return v.reshape(s, g, n, nb * _packed(block, bits)), sc.reshape(s, g, n, nb)
 
 
@@ -335,11 +335,11 @@ def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype) -> jax.
   """[M, Bp], [M] -> [M, B] in `dtype`."""
   m, bp = v_MxBp.shape
   b = bp if bits == 8 else 2 * bp
-  r = _rows(m, b)
   _, dequant_sum = _kernels()
   out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
-  y, _ = _launch(dequant_sum, [v_MxBp, s_M.astype(jnp.float32)], out=out, grid=(m // r,), K=1, M=m,
-               ROWS=r, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
+  y, _ = _launch(dequant_sum, [v_MxBp, s_M.astype(jnp.float32)], out=out,
+                 op=f"dequantize/int{bits}/{jnp.dtype(dtype).name}", m=m, divisor=m, row_elements=b, block=b,
+                 K=1, M=m, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
   return y
 
 
@@ -348,21 +348,21 @@ def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int,
   """[K, M, Bp], [K, M] -> requantized sum (values [M, Bp'], scales [M])."""
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
-  r = _rows(m, b)
   _, dequant_sum = _kernels()
   out = (jax.ShapeDtypeStruct((m, _packed(b, out_bits)), _vdtype(out_bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  return _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out, grid=(m // r,), K=k,
-               M=m, ROWS=r, B=b, BITS=bits, OUT_BITS=out_bits, REQUANT=1)
+  return _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out,
+                 op=f"dequant_sum_quantize/{out_bits}/int{bits}", m=m, divisor=m, row_elements=b, block=b,
+                 slabs=k, K=k, M=m, B=b, BITS=bits, OUT_BITS=out_bits, REQUANT=1)
 
 
 def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype) -> jax.Array:
   """[K, M, Bp], [K, M] -> fp32 sum cast to `dtype`: [M, B]."""
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
-  r = _rows(m, b)
   _, dequant_sum = _kernels()
   out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
-  y, _ = _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out, grid=(m // r,), K=k,
-               M=m, ROWS=r, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
+  y, _ = _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out,
+                 op=f"dequant_sum/int{bits}/{jnp.dtype(dtype).name}", m=m, divisor=m, row_elements=b,
+                 block=b, slabs=k, K=k, M=m, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
   return y
