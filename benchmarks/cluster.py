@@ -17,6 +17,12 @@ Ethernet frames, so they include TCP/IP headers, acknowledgements and the coordi
   python benchmarks/cluster.py --gin_file=configs/zeropp.gin --rate 100mbit [--delay 1ms] \\
       [--nodes 2 --devices 4] [--steps 12] [--gin_param=model_config.num_layers=2]
 
+A node that dies: `--kill NODE@STEP` SIGKILLs that node's process when the lead logs STEP, and
+`--restart_after SECONDS` starts it again that long after, as a cluster manager would. The run is then
+driven by the supervisor (`zerojax.train.supervisor`): the survivors restart with one node fewer from
+their own copies (each node's in WORKDIR/replicas/node<i>, its emulated local disk), and the node
+rejoins; the JSON gains `membership` (each loss and rejoin: time to detect, time to resume, steps lost).
+
 Prints one JSON object. Needs root, `ip`, `tc` and `unshare`; namespaces, links and processes are
 removed on exit, also on failure, Ctrl-C or SIGTERM.
 """
@@ -198,10 +204,12 @@ class Network:
     self._made.clear()
 
 
-def _train_command(net: Network, i: int, args, workdir: str, port: int) -> list[str]:
+def _train_command(net: Network, i: int, args, workdir: str, port: int, coordinator: int = 0,
+                   processes: tuple[str, ...] | None = None) -> list[str]:
+  """Node i's train.py; `processes`: the supervisor's flags (`Start.args`) instead of all nodes' run."""
+  processes = processes or (f"--num_processes={len(net.ns)}", f"--process_id={i}")
   train = [sys.executable, os.path.join(REPO, "train.py"), f"--workdir={workdir}",
-           f"--coordinator={net.address[0]}:{port}", f"--num_processes={len(net.ns)}", f"--process_id={i}",
-           f"--devices={args.devices}"]
+           f"--coordinator={net.address[coordinator]}:{port}", *processes, f"--devices={args.devices}"]
   train += [f"--gin_file={f}" for f in args.gin_file]
   params = [f"train.steps={args.steps}", "train.log_every=1", "train.eval_every=0", "train.progress=False",
             "train.checkpoint_every=0", *args.gin_param]
@@ -257,6 +265,25 @@ def _child_env() -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k not in drop and not k.lower().endswith("_proxy")}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   return env
+
+
+def _supervised(net: Network, args, workdir: str, env: dict, logs: list):
+  """The supervisor of a run with `--kill` / `--restart_after`: each start in the node's namespace."""
+  from zerojax.train import supervisor as supervisor_lib
+  env = {**env, "JAX_COMPILATION_CACHE_DIR": env.get("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax-cache")),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+  def launch(s):
+    cmd = _train_command(net, s.node, args, workdir, args.port + s.generation, s.coordinator, s.args)
+    logs[s.node].write(f"--- generation {s.generation}: process {s.process_id} of {s.num_processes}\n")
+    logs[s.node].flush()
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logs[s.node], stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+  return supervisor_lib.Supervisor(
+      len(net.ns), launch, workdir, lambda n: os.path.join(workdir, "replicas", f"node{n}"),
+      restart_after=args.restart_after, kill_at=dict([supervisor_lib.parse_kill(args.kill)]),
+      log=lambda m: print(m, file=sys.stderr, flush=True))
 
 
 def _read_metrics(path: str) -> list[dict]:
@@ -315,7 +342,7 @@ def run(args) -> dict:
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   if os.path.exists(metrics_path) or os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise ClusterError(f"workdir {workdir} already holds a run; use an empty folder")
-  net, procs, logs = Network(args.nodes, rate, delay), [], []
+  net, procs, logs, sup = Network(args.nodes, rate, delay), [], [], None
   old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
   def interrupt(signum, _frame):
@@ -327,15 +354,25 @@ def run(args) -> dict:
     net.open()
     env = _child_env()
     for i in range(args.nodes):
-      log = open(os.path.join(workdir, f"node{i}.log"), "w")
-      logs.append(log)
-      procs.append(subprocess.Popen(_train_command(net, i, args, workdir, args.port), cwd=REPO, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+      logs.append(open(os.path.join(workdir, f"node{i}.log"), "w"))
+    if args.kill:
+      sup = _supervised(net, args, workdir, env, logs)
+      sup.start(list(range(args.nodes)))
+    else:
+      for i in range(args.nodes):
+        procs.append(subprocess.Popen(_train_command(net, i, args, workdir, args.port), cwd=REPO, env=env,
+                                      stdout=logs[i], stderr=subprocess.STDOUT, start_new_session=True))
     start, marks, late, deadline = time.time(), {}, [], time.time() + args.timeout
     while True:
+      if sup is not None:
+        status = sup.poll()
+        procs = list(sup.procs.values())
+        if status not in (None, 0):
+          raise ClusterError(f"the supervised run stopped (status {status}); node 0's log ends:\n"
+                             + _tail(os.path.join(workdir, "node0.log")))
       codes = [p.poll() for p in procs]
       failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-      if failed:
+      if failed and sup is None:
         i = failed[0]
         raise ClusterError(f"node {i} exited with code {codes[i]}:\n"
                            + _tail(os.path.join(workdir, f"node{i}.log")))
@@ -345,7 +382,7 @@ def run(args) -> dict:
           marks[step] = (time.time(), net.counters())
           if max(logged) > step or any(c is not None for c in codes):
             late.append(step)
-      if all(c == 0 for c in codes):
+      if (sup.status == 0) if sup is not None else all(c == 0 for c in codes):
         break
       if time.time() > deadline:
         raise ClusterError(f"the run took longer than --timeout={args.timeout}s; node 0's log ends:\n"
@@ -360,7 +397,7 @@ def run(args) -> dict:
   finally:
     for s in old:  # a second Ctrl-C must not interrupt the cleanup
       signal.signal(s, signal.SIG_IGN)
-    _stop(procs)
+    _stop(list(sup.procs.values()) if sup is not None else procs)
     for log in logs:
       log.close()
     net.close()
@@ -389,8 +426,12 @@ def run(args) -> dict:
       "links": links,
       "cross_node_bytes_per_step_per_node": statistics.mean(l["sent_bytes_per_step"] for l in links),
       "cross_node_payload_bytes_per_step_per_node": statistics.mean(l["sent_payload_bytes_per_step"] for l in links),
-      "final_loss": summary.get("final_loss"), "wall_s": wall,
+      "final_loss": summary.get("final_loss"), "final_eval_loss": summary.get("final_eval_loss"), "wall_s": wall,
   }
+  if sup is not None:
+    out["kill"], out["restart_after"] = args.kill, args.restart_after
+    out["membership"], out["final_nodes"] = summary.get("membership"), summary.get("nodes")
+    out["steps_logged"] = sorted(rows)
   if late:
     out["warning"] = (f"the counters for step(s) {late} were read after a later step had been logged; the "
                       "window holds extra traffic: use more steps or a larger model")
@@ -415,7 +456,16 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--workdir", default=None, help="keep the run's files here (default: a removed temp dir)")
   ap.add_argument("--port", type=int, default=12355, help="coordinator port on node 0")
   ap.add_argument("--timeout", type=float, default=1800, help="seconds before the run is stopped")
+  ap.add_argument("--kill", default=None, metavar="NODE@STEP",
+                  help="SIGKILL node NODE's process when the lead logs STEP; the supervisor restarts the others")
+  ap.add_argument("--restart_after", type=float, default=None, metavar="SECONDS",
+                  help="with --kill: start the killed node again this long after its loss")
   return ap
+
+
+def supervisor_parse(text: str) -> tuple[int, int]:
+  from zerojax.train.supervisor import parse_kill
+  return parse_kill(text)
 
 
 def main(argv=None) -> int:
@@ -423,6 +473,18 @@ def main(argv=None) -> int:
   if args.nodes < 2 or args.devices < 1:
     print(f"need --nodes >= 2 and --devices >= 1 (got {args.nodes}, {args.devices})", file=sys.stderr)
     return 2
+  if args.restart_after is not None and not args.kill:
+    print("--restart_after goes with --kill NODE@STEP", file=sys.stderr)
+    return 2
+  if args.kill:
+    try:
+      node, _ = supervisor_parse(args.kill)
+    except ValueError as e:
+      print(f"cluster: {e}", file=sys.stderr)
+      return 2
+    if not 0 <= node < args.nodes:
+      print(f"--kill names node {node}, but the nodes are 0..{args.nodes - 1}", file=sys.stderr)
+      return 2
   if not args.profile and not args.gin_file:
     print("need --gin_file (a training run) or --profile (the collective profiler)", file=sys.stderr)
     return 2
