@@ -10,7 +10,9 @@ per-device memory (`compile_step` compiles an executor's train step for abstract
 the bytes).
 
 The executor compiles its step for GPU meshes (real or compile-only) with `GPU_COMPILER_OPTIONS`, so
-the program `zerojax.cli.compile` reads is the one a GPU run gets (`compiler_options`).
+the program `zerojax.cli.compile` reads is the one a GPU run gets (`compiler_options`); an option the
+user sets in `XLA_FLAGS` wins over zerojax's (`options_report`). `device_memory` is what a device can
+allocate, for `remat="auto"` (`zerojax.planner.remat`).
 """
 from __future__ import annotations
 
@@ -89,9 +91,53 @@ def is_gpu(mesh_) -> bool:
   return devs is not None and hasattr(devs, "flat") and next(iter(devs.flat)).platform in ("gpu", "cuda")
 
 
-def compiler_options(mesh_) -> dict:
-  """The XLA options the executor compiles with on `mesh_`: `GPU_COMPILER_OPTIONS` on GPUs, else none."""
-  return dict(GPU_COMPILER_OPTIONS) if is_gpu(mesh_) else {}
+def user_xla_flags(env=None) -> dict:
+  """`{name: value}` of the XLA options set in the `XLA_FLAGS` environment variable (`--name=value`)."""
+  out = {}
+  for item in (env if env is not None else os.environ).get("XLA_FLAGS", "").split():
+    name, _, value = item.lstrip("-").partition("=")
+    out[name] = value
+  return out
+
+
+def compiler_options(mesh_, env=None) -> dict:
+  """The XLA options the executor compiles with on `mesh_`: `GPU_COMPILER_OPTIONS` on GPUs, less any the
+  user set in `XLA_FLAGS` (theirs wins: `options_report`); none elsewhere."""
+  if not is_gpu(mesh_):
+    return {}
+  user = user_xla_flags(env)
+  return {k: v for k, v in GPU_COMPILER_OPTIONS.items() if k not in user}
+
+
+def options_report(mesh_, env=None) -> dict:
+  """What the step compiles with on `mesh_`: `{"applied": zerojax's options, "user": the user's XLA_FLAGS
+  settings of the same options, which win}`."""
+  user = user_xla_flags(env)
+  return {"applied": compiler_options(mesh_, env),
+          "user": {k: user[k] for k in GPU_COMPILER_OPTIONS if k in user} if is_gpu(mesh_) else {}}
+
+
+def device_memory(mesh_, env=None) -> int | None:
+  """Bytes a device of `mesh_` can allocate: a GPU's allocator limit (`memory_stats()["bytes_limit"]`), a
+  compile-only GPU's `device_memory_size` (its target description) times jax's preallocated fraction
+  (`XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 by default); None where the device reports neither (CPUs)."""
+  device = next(iter(mesh_.devices.flat))
+  try:
+    stats = device.memory_stats()
+  except Exception:  # noqa: BLE001 - compile-only devices and some platforms have none
+    stats = None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  if not is_gpu(mesh_):
+    return None
+  kind = device.device_kind.lower()
+  target = next((t for t in TARGETS if t in kind), None)
+  if target is None:
+    return None
+  size = next(int(line.split(":")[1]) for line in target_config(target).splitlines()
+              if line.strip().startswith("device_memory_size"))
+  fraction = float((env if env is not None else os.environ).get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+  return int(size * fraction)
 
 
 def abstract_inputs(ex, batch_shape):
@@ -115,6 +161,8 @@ def memory(compiled) -> dict:
   m = compiled.memory_analysis()
   out = {k: int(getattr(m, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
   out["peak"] = int(getattr(m, "peak_memory_in_bytes", 0)) or out["argument"] + out["output"] - out["alias"] + out["temp"]
+  if out["peak"] < out["temp"]:  # the CPU backend's peak leaves its temporaries out: not a peak
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
   # Host memory (offloaded state, `Sharding.offload`): XLA counts its arguments, outputs and temporaries
   # apart from the device's, but its peak (a simulation of every buffer's live range) counts the host
   # buffers too: with the same step's state offloaded it is unchanged. Arguments live through the whole

@@ -128,8 +128,9 @@ class Plan:
 
   @property
   def remat_mode(self) -> str:
-    """`schedule.remat`, with None resolved: "none" without sharded parameters, else "full"."""
-    if self.schedule.remat is not None:
+    """`schedule.remat`, with "auto" (or None) not yet chosen by memory (`zerojax.planner.remat`) resolved
+    by the rule: "none" without sharded parameters, else "full"."""
+    if self.schedule.remat not in (None, "auto"):
       return self.schedule.remat
     return "none" if self.sharding.param_axes in ((), 1) else "full"
 

@@ -324,11 +324,15 @@ class Schedule:
     remat: what a unit's backward recomputes. "full": the whole forward, from the unit's inputs and the
       re-gathered weights (ZeRO-3's default: nothing but the inputs is kept between forward and
       backward). "dots": keeps the outputs of the matmuls with the weights
-      (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and recomputes the rest. "none": keeps
+      (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and the attention's output
+      (`zerojax.remat.ATTENTION`), and recomputes the rest. "none": keeps
       every residual of the forward and recomputes nothing. In every mode the backward re-gathers the
       weights (hpZ: from the secondary shard) instead of keeping them, so "dots" and "none" cost
-      activation memory (per layer, for the whole backward), never gathered weights. None (the
-      default): "none" when the parameters are not sharded (DP, ZeRO-1/2), else "full".
+      activation memory (per layer, for the whole backward), never gathered weights. "auto" or None (the
+      default): the cheapest of "none", "dots", "full" whose compiled step fits the device's memory,
+      chosen where the batch is known (`zerojax.planner.remat.choose`: `train.py`, `cli.compile`); on
+      CPUs, and for an executor built without that choice, "none" when the parameters are not sharded
+      (DP, ZeRO-1/2), else "full" (`Plan.remat_mode`).
     prefetch: inside a scanned unit run by `zerojax.scan_layers`, gather layer i+1 while layer i computes
       (forward), and in backward gather layer i-1 and reduce layer i+1's gradient while layer i's
       backward runs (`zerojax.prefetch`): a schedule of the unit's own engine, so it composes with every
@@ -343,4 +347,4 @@ class Schedule:
   def __post_init__(self):
     if self.prefetch is not None and not isinstance(self.prefetch, bool):
       raise ValueError(f"prefetch={self.prefetch!r}; use True, False or None (on for GPUs)")
-    checks.one_of(self.remat, "remat", (None, *REMAT))
+    checks.one_of(self.remat, "remat", (None, "auto", *REMAT))

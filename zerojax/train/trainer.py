@@ -22,6 +22,7 @@ from zerojax.mesh import make_mesh
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax import planner
 from zerojax.plan import Plan, zero3
+from zerojax.planner import remat as remat_choice
 from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, data as data_lib
 from zerojax.train import export as export_lib, replica as replica_lib, report, user_model
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
@@ -96,7 +97,13 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
   mesh = make_mesh(num_nodes or default_num_nodes(), devices=devices)
   cfg = model_config()
   net = gpt(cfg) if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
-  return Executor(net, make_optimizer(total_steps=steps), plan, mesh, accum_steps=accum_steps)
+  optimizer = make_optimizer(total_steps=steps)
+  # remat "auto": the cheapest mode whose compiled step fits the device (none on CPUs: the rule)
+  plan, choice = remat_choice.choose(net, optimizer, plan, mesh, (accum_steps, batch_size, cfg.seq_len + 1),
+                                     accum_steps=accum_steps)
+  ex = Executor(net, optimizer, plan, mesh, accum_steps=accum_steps)
+  ex.remat_choice = choice
+  return ex
 
 
 def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor:
@@ -196,6 +203,8 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
              param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model)
   plan, mesh = ex.plan, ex.mesh
   ex.check_batch((accum_steps, batch_size, cfg.seq_len + 1))  # fail before loading any data
+  if ex.remat_choice.get("rows"):  # chosen by compiling (GPUs): say what and why
+    _say(ex.remat_choice["why"])
   dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes, seq_len=cfg.seq_len)
   settings = config_lib.run_settings(cfg, steps=steps, batch_size=batch_size, accum_steps=accum_steps,
                                      user_model=model)
@@ -305,6 +314,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
                                                     for k, v in plan.settings().items()}}}
   if ex.planner_rows:
     summary["planner"] = ex.planner_rows
+  summary["remat"] = ex.remat_choice
   if ex.prefetch_fallbacks():
     summary["prefetch_fallbacks"] = ex.prefetch_fallbacks()
   if lead:

@@ -1,0 +1,104 @@
+"""remat "auto" (`zerojax.planner.remat.choose`): the cheapest mode whose compiled step fits the device,
+measured on CPU with a given capacity (CPUs report none) and on compile-only H100s; the GPU compiler
+options give way to the user's XLA_FLAGS."""
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax import gpu_aot
+from zerojax.models.gpt import GPTConfig, gpt
+from zerojax.planner import remat as remat_choice
+
+CFG = GPTConfig(seq_len=32, d_model=64, num_heads=4, num_layers=2)
+BATCH = (1, 8, CFG.seq_len + 1)
+
+
+def fake_peaks(peaks: dict):
+  calls = []
+
+  def peak_of(ex, batch_shape):
+    calls.append(ex.components.remat)
+    assert batch_shape == BATCH
+    return peaks[ex.components.remat]
+  return peak_of, calls
+
+
+@pytest.mark.parametrize("capacity,expect,tried", [(100, "none", ["none"]), (60, "dots", ["none", "dots"]),
+                                                   (30, "full", ["none", "dots", "full"])])
+def test_auto_takes_the_first_mode_that_fits_least_recompute_first(capacity, expect, tried):
+  peak_of, calls = fake_peaks({"none": 90, "dots": 50, "full": 20})
+  plan, report = remat_choice.choose(gpt(CFG), optax.adam(1e-3), zerojax.zero3(), zerojax.make_mesh(2), BATCH,
+                                     capacity=capacity, peak_of=peak_of)
+  assert plan.schedule.remat == expect and report["remat"] == expect and calls == tried
+  assert [r["fits"] for r in report["rows"]] == [False] * (len(tried) - 1) + [True]
+  assert expect in report["why"] and (len(tried) == 1 or "did not fit" in report["why"])
+
+
+def test_when_nothing_fits_auto_says_so_and_takes_full():
+  peak_of, _ = fake_peaks({"none": 90, "dots": 50, "full": 20})
+  plan, report = remat_choice.choose(gpt(CFG), optax.adam(1e-3), zerojax.zero3(), zerojax.make_mesh(2), BATCH,
+                                     capacity=10, peak_of=peak_of)
+  assert plan.schedule.remat == "full" and not any(r["fits"] for r in report["rows"])
+  assert "no mode fits" in report["why"] and "shrink the batch" in report["why"]
+
+
+def test_a_plan_that_names_its_remat_and_a_device_without_memory_keep_the_plan():
+  peak_of, calls = fake_peaks({})
+  plan = zerojax.zero3(remat="dots")
+  assert remat_choice.choose(gpt(CFG), optax.adam(1e-3), plan, zerojax.make_mesh(2), BATCH, capacity=1,
+                             peak_of=peak_of)[0] is plan
+  auto = zerojax.zero3()
+  same, report = remat_choice.choose(gpt(CFG), optax.adam(1e-3), auto, zerojax.make_mesh(2), BATCH, peak_of=peak_of)
+  assert same is auto and calls == [] and report["remat"] == "full" and report["capacity"] is None
+  assert gpu_aot.device_memory(zerojax.make_mesh(2)) is None  # CPUs report no memory to fit
+
+
+def test_auto_on_compiled_cpu_programs_keeps_activations_where_they_fit():
+  """The real measure (compiled device peaks on the CPU devices): more activation memory, less recompute."""
+  cfg = dataclasses.replace(CFG, seq_len=128)  # activations (the scores: 1 MB a layer) outweigh the state
+  model, opt, mesh, batch = gpt(cfg), optax.adam(1e-3), zerojax.make_mesh(2), (1, 16, 129)
+  big, report = remat_choice.choose(model, opt, zerojax.zero3(), mesh, batch, capacity=1 << 40)
+  assert big.schedule.remat == "none" and len(report["rows"]) == 1
+  peaks = {}
+  for mode in remat_choice.ORDER:
+    compiled, _ = gpu_aot.compile_step(zerojax.Executor(model, opt, zerojax.zero3(remat=mode), mesh), batch)
+    peaks[mode] = gpu_aot.memory(compiled)["device_peak"]
+  assert peaks["none"] > 1.5 * peaks["full"], peaks
+  plan, report = remat_choice.choose(model, opt, zerojax.zero3(), mesh, batch, capacity=peaks["none"] - 1)
+  assert plan.schedule.remat in ("dots", "full") and report["rows"][0] == {
+      "remat": "none", "device_peak": peaks["none"], "fits": False}
+
+
+def test_the_users_xla_flags_win_over_zerojaxs_gpu_options(monkeypatch):
+  mesh = zerojax.make_mesh(2)
+  monkeypatch.setattr(gpu_aot, "is_gpu", lambda m: True)
+  name = next(iter(gpu_aot.GPU_COMPILER_OPTIONS))
+  assert gpu_aot.compiler_options(mesh, env={}) == gpu_aot.GPU_COMPILER_OPTIONS
+  env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 --{name}=1"}
+  assert name not in gpu_aot.compiler_options(mesh, env=env)
+  assert gpu_aot.options_report(mesh, env=env)["user"] == {name: "1"}
+
+
+def test_the_trainer_reports_its_choice(tmp_path):
+  from zerojax.train import trainer
+  ex = trainer.build(zerojax.zero3(), 2, steps=2, batch_size=8)
+  assert ex.remat_choice["remat"] == "full" and ex.remat_choice["capacity"] is None
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes,gpus", [(1, 1), (2, 4)])
+def test_auto_picks_none_for_the_default_gpt_on_compile_only_h100s(nodes, gpus):
+  gpu_aot.compile_only_host()
+  mesh = zerojax.make_mesh(nodes, devices=gpu_aot.devices("h100", nodes, gpus))
+  capacity = gpu_aot.device_memory(mesh, env={})
+  assert capacity == int(0.75 * 84929347584)
+  cfg = dataclasses.replace(GPTConfig(), seq_len=256)
+  plan, report = remat_choice.choose(gpt(cfg), optax.adam(1e-3), zerojax.zero3(), mesh, (1, 8 * nodes * gpus, 257))
+  assert plan.schedule.remat == "none" and report["rows"][0]["fits"], report
+  assert 0 < report["rows"][0]["device_peak"] < capacity
+  assert np.isfinite(report["rows"][0]["device_peak"])
