@@ -1,5 +1,7 @@
 """The GPT's attention (`zerojax.models.attention`) against the einsum form it replaced: per layer, and
 over a train step; on CPU "auto" is the einsum form bit for bit, and a bad implementation is refused."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +83,26 @@ def test_one_train_step_with_xla_attention_matches_the_einsum_gpt(dtype, bound):
   move = lambda how: np.concatenate([(a - b).ravel() for a, b in zip(jax.tree.leaves(out[how][1]),
                                                                       jax.tree.leaves(init))])
   assert np.linalg.norm(move("xla") - move("einsum")) <= bound * np.linalg.norm(move("einsum"))
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes,gpus", [(1, 1), (2, 4)])
+def test_the_default_gpt_calls_cudnn_and_keeps_no_score_matrix_on_compile_only_h100s(nodes, gpus):
+  """The built-in GPT's train step (bf16, the default attention) compiled for H100s: cuDNN's fused
+  attention forward and backward are in the program, and no `[batch, heads, seq, seq]` buffer is."""
+  from zerojax import gpu_aot
+  gpu_aot.compile_only_host()
+  cfg = GPTConfig(seq_len=256, d_model=256, num_heads=4, num_layers=2)
+  mesh = zerojax.make_mesh(nodes, devices=gpu_aot.devices("h100", nodes, gpus))
+  ex = zerojax.Executor(gpt(cfg), optax.adam(1e-3), zerojax.zero3(), mesh)
+  batch = 2 * mesh.size
+  compiled, _ = gpu_aot.compile_step(ex, (1, batch, cfg.seq_len + 1))
+  text = compiled.as_text()
+  assert 'custom_call_target="__cudnn$fmhaSoftmax"' in text
+  assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in text
+  local = batch // mesh.size
+  assert f"{local},{cfg.num_heads},{cfg.seq_len},{cfg.seq_len}]" not in text
+  einsum = zerojax.Executor(gpt(dataclasses.replace(cfg, attention="einsum")), optax.adam(1e-3), zerojax.zero3(), mesh)
+  assert f"{local},{cfg.num_heads},{cfg.seq_len},{cfg.seq_len}]" in gpu_aot.compile_step(
+      einsum, (1, batch, cfg.seq_len + 1))[0].as_text()  # the check sees a score matrix where there is one

@@ -125,8 +125,25 @@ def test_bench_gpu_step_reports_every_system_against_plain(step_run):
 
 def test_bench_gpu_step_records_a_failing_system_and_goes_on(step_run):
   result, _ = step_run
-  assert list(result["errors"]) == ["no_such_plan"] and "KeyError" in result["errors"]["no_such_plan"]
-  assert result["systems"]["no_such_plan"] == {"error": result["errors"]["no_such_plan"]}
+  assert list(result["errors"]) == ["auto/auto/base/no_such_plan"] and "KeyError" in result["errors"]["auto/auto/base/no_such_plan"]
+  assert result["systems"]["no_such_plan"] == {"error": result["errors"]["auto/auto/base/no_such_plan"]}
+
+
+def test_bench_gpu_step_sweeps_remat_and_attention_with_plain_on_the_same_settings(step):
+  """Every combination of --remat and --attention is a block of its own; under remat auto plain runs the
+  mode zero3's auto picks (on CPU: the rule, "full"), and under a named mode every system runs it."""
+  result = step.main(["--d_model", "32", "--layers", "1", "--heads", "2", "--vocab", "64", "--seq", "16",
+                      "--steps", "1", "--reps", "1", "--devices", "2", "--plans", "zero3",
+                      "--remat", "auto,none", "--attention", "auto,einsum"])
+  assert [(b["remat"], b["attention"], b["xla"]) for b in result["sweep"]] == [
+      ("auto", "auto", "base"), ("auto", "einsum", "base"), ("none", "auto", "base"), ("none", "einsum", "base")]
+  for b in result["sweep"]:
+    assert list(b["systems"]) == ["plain", "zero3"] and not result["errors"]
+    want = "full" if b["remat"] == "auto" else b["remat"]
+    assert b["systems"]["plain"]["remat"] == b["systems"]["zero3"]["remat"] == want
+    assert b["systems"]["zero3"]["ratio_to_plain"]["median"] > 0
+    assert b["systems"]["plain"]["mfu"] is None  # a CPU has no peak in the table
+  assert result["systems"] == result["sweep"][0]["systems"]
 
 
 def test_bench_offload_reports_each_setting_against_none_with_equal_losses(tmp_path):
