@@ -6,7 +6,8 @@ with the options a GPU run uses (nothing runs), and prints per collective: op, d
 inside a layer loop or not, the matmuls and kernels scheduled between its start and done
 (`zerojax.analysis.schedule`); the layer loops' overlap per role; the kernels compiled; the most gathered
 weights alive at once; and the compiled per-device memory (arguments, outputs, temporaries, peak; and
-in host memory, with `offload`) beside `zerojax.memory.memory_report`'s model-state bytes. `--json` prints it all as JSON, `--dump_hlo FILE`
+in host memory, with `offload`) beside `zerojax.memory.memory_report`'s model-state bytes; the remat mode
+and why (`remat="auto"` picks by the compiled peak, `zerojax.planner.remat`); the XLA options. `--json` prints it all as JSON, `--dump_hlo FILE`
 writes the scheduled GPU program.
 """
 from __future__ import annotations
@@ -48,6 +49,8 @@ def report(ex, compiled, seconds: float) -> dict:
       "plan": ex.plan.name, "prefetch": ex.components.prefetch, "device_kind": next(iter(devices)).device_kind,
       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "compile_s": seconds,
       "compiler_options": gpu_aot.compiler_options(ex.mesh),
+      "compiler_options_user": gpu_aot.options_report(ex.mesh)["user"],
+      "remat": getattr(ex, "remat_choice", None) or {"remat": ex.components.remat, "why": "set by the plan"},
       "collectives": [s.to_json() for s in scheduled],
       "overlap": overlap_summary(scheduled),
       "gathered_alive": gathered_alive(text, scheduled),
@@ -61,7 +64,9 @@ def report(ex, compiled, seconds: float) -> dict:
 def render(rep: dict) -> str:
   """The report for people."""
   lines = [f"plan {rep['plan']} (prefetch={rep['prefetch']})  {rep['mesh']}  {rep['device_kind']}  "
-           f"compiled in {rep['compile_s']:.1f} s  options {rep['compiler_options']}", "",
+           f"compiled in {rep['compile_s']:.1f} s  options {rep['compiler_options']}"
+           + (f" (yours in XLA_FLAGS win: {rep['compiler_options_user']})" if rep["compiler_options_user"] else ""),
+           rep["remat"]["why"], "",
            f"{'op':<15}{'dtype':<7}{'role':<24}{'async':<7}{'loop':<6}{'x':>4}{'matmuls':>9}{'kernels':>9}  result"]
   for c in rep["collectives"]:
     lines.append(f"{c['op']:<15}{c['dtype']:<7}{c['role']:<24}{str(c['async']):<7}{str(c['in_layer_loop']):<6}"
