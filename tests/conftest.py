@@ -7,6 +7,9 @@ from tests import platforms  # no jax import
 from tests.fast_suite import MOVED
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Kernels run their device kind's default launch configuration in tests (no timing, no cache written on a
+# GPU); tests/test_kernel_tuning.py turns tuning on where it tests it.
+os.environ.setdefault("ZEROJAX_KERNEL_TUNING", "0")
 # A persistent compilation cache shared by this process and the train.py processes the tests start (they
 # inherit the environment): identical programs compile once per machine (ZEROJAX_TEST_CACHE=0: off).
 if os.environ.get("ZEROJAX_TEST_CACHE", "1") != "0":

@@ -5,7 +5,8 @@
 #   2. bench_kernels.py for every backend the device runs (xla, pallas, triton) -> OUT_DIR/kernels.json
 #      (device, jax, rows of op/backend/bits/elements/gbps/ratio_to_copy against the best 4-byte copy, and
 #      per row the bytes that differ from xla: recorded, never a stop);
-#   3. bench_gpu_step.py -> OUT_DIR/step.json (each plan's step against a plain jitted step, interleaved);
+#   3. bench_gpu_step.py -> OUT_DIR/step.json (each plan's step against a plain jitted step, interleaved,
+#      swept over remat and attention; MFU) and OUT_DIR/step_xla.json (XLA option sets);
 #   4. bench_offload.py: the largest GPT the host holds with offload, trained on one GPU
 #      -> OUT_DIR/offload_fit_run.json (offload_fit.json is the compile-only table), and offload's step-time cost -> OUT_DIR/offload_cost.json;
 #   5. a profiled train step of configs/zeropp.gin -> OUT_DIR/profile/ (a jax.profiler trace for
@@ -27,13 +28,20 @@ env -u JAX_PLATFORMS "$PY" -m pytest -q -m gpu_compile tests/ || status=1
 echo "== kernels"
 # Every backend against xla: differing bytes are counted per row (mismatched_bytes_vs_xla), never a stop;
 # ratio_to_copy divides by the best of several 1 GiB copies of 4-byte words (copy_ceiling).
-env -u JAX_PLATFORMS "$PY" benchmarks/bench_kernels.py --out "$OUT/kernels.json" || status=1
+# The first run on a machine times each Pallas/Triton kernel's launch configurations (pallas_kernels/tuning.py;
+# several minutes at 256M elements) and caches the winners; KERNEL_TUNING=0 uses the defaults table instead.
+env -u JAX_PLATFORMS "$PY" benchmarks/bench_kernels.py --tuning "${KERNEL_TUNING:-1}" --out "$OUT/kernels.json" || status=1
 
 echo "== train step against a plain jitted step"
 # dp, zero3, zeropp and mics on the mesh of the GPUs present against jax.jit(value_and_grad) + optax of the
-# same 737M-parameter GPT (bf16, remat full), interleaved repetitions; a system that fails gets its error in
-# its row of step.json.
-env -u JAX_PLATFORMS "$PY" benchmarks/bench_gpu_step.py --out "$OUT/step.json" || status=1
+# same 737M-parameter GPT (bf16), interleaved repetitions; the first block is the default (remat auto,
+# cuDNN attention, zerojax's XLA options) with every plan, then zero3 and plain at remat none and full and
+# with the einsum attention (the before); a system that fails gets its error in its row of step.json.
+env -u JAX_PLATFORMS "$PY" benchmarks/bench_gpu_step.py --remat auto,none,full --attention auto,einsum \
+  --sweep_plans zero3 --steps 5 --out "$OUT/step.json" || status=1
+# MaxText's GPU XLA options against zerojax's, zero3 and plain (remat auto, cuDNN attention).
+env -u JAX_PLATFORMS "$PY" benchmarks/bench_gpu_step.py --plans zero3 --xla base,maxtext --sweep_plans zero3 \
+  --steps 5 --out "$OUT/step_xla.json" || status=1
 
 echo "== host offload"
 # The largest GPT whose offloaded states 85% of the host holds, searched down to one that trains (each try in
