@@ -62,8 +62,11 @@ class Executor(StateViews, StepMixin):
   Attributes:
     planner_rows: the planner's ranked table when `auto()` chose this executor's plan (set by the trainer,
       written to `summary.json`); None otherwise.
+    remat_choice: how `remat="auto"` was resolved for this executor (`zerojax.planner.remat.choose`'s
+      report, set by the trainer); None when nothing chose it.
   """
   planner_rows: list[dict] | None = None
+  remat_choice: dict | None = None
 
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
                accum_steps: int = 1):

@@ -50,7 +50,7 @@ def report(ex, compiled, seconds: float) -> dict:
       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "compile_s": seconds,
       "compiler_options": gpu_aot.compiler_options(ex.mesh),
       "compiler_options_user": gpu_aot.options_report(ex.mesh)["user"],
-      "remat": getattr(ex, "remat_choice", None) or {"remat": ex.components.remat, "why": "set by the plan"},
+      "remat": ex.remat_choice or {"remat": ex.components.remat, "why": "set by the plan"},
       "collectives": [s.to_json() for s in scheduled],
       "overlap": overlap_summary(scheduled),
       "gathered_alive": gathered_alive(text, scheduled),
