@@ -95,6 +95,34 @@ def test_restore_onto_one_node_fewer_and_back_follows_the_rule(tmp_path, plan):
   train(big, back, 3, 4)  # the restored state trains on the full mesh
 
 
+def test_a_diloco_checkpoint_restores_onto_one_node_fewer_and_back(tmp_path):
+  """The orbax checkpoint follows the same rule: 3 replicas onto 2 nodes keep the first two, 2 onto 3
+  add a replica from the outer parameters with the first replica's inner optimizer state."""
+  from zerojax.train.checkpoint import Checkpointer
+  plan = plans.mics(outer_sync=plans.diloco(every=4), param_dtype="float32")
+  big, small = make(plan, 3), make(plan, 2)
+  state = train(big, big.init_from_params(jax.jit(big.model.init)(jax.random.key(0))), 0, 2)
+  with Checkpointer(str(tmp_path / "three")) as c:
+    c.save(big, state)
+  with Checkpointer(str(tmp_path / "three"), read_only=True) as c:
+    two, _ = c.restore(small)
+  before, got = logical(big, state), logical(small, two)
+  for k, v in before.items():
+    assert np.array_equal(got[k], v[:2] if rows_of(k) else v), k
+  with Checkpointer(str(tmp_path / "two")) as c:
+    c.save(small, two)
+  with Checkpointer(str(tmp_path / "two"), read_only=True) as c:
+    three, _ = c.restore(big)
+  full = logical(big, three)
+  for k, v in got.items():
+    if not rows_of(k):
+      assert np.array_equal(full[k], v), k
+      continue
+    assert np.array_equal(full[k][:2], v), k
+    want = got["outer/" + k] if k.startswith("params/") else (0 if k == "skipped" else v[0])
+    assert np.array_equal(full[k][2], want), k
+
+
 @pytest.mark.slow
 def test_mics_on_one_node_fewer_trains_the_same_step():
   """MiCS on 2 nodes after a loss takes the same step as on 3 (the same global batch, the same replica):

@@ -143,7 +143,7 @@ class Checkpointer:
           state=ocp.args.StandardRestore(spec.abstract(saved)))).state
     except Exception as e:
       raise self._broken(where, e) from e
-    state = spec.from_logical(spec.complete(dict(tree)))
+    state = spec.from_logical(spec.resize(spec.complete(dict(tree))))
     if int(state.step) != step:
       raise CheckpointError(f"checkpoint {where} holds step {int(state.step)}, not {step}; the folder "
                             "was renamed or mixed up with another")

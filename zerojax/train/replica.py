@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.mesh import AXES
-from zerojax.train.state_spec import SEP, CheckpointError, logical_state, state_spec_of
+from zerojax.train.state_spec import SEP, CheckpointError, logical_state, new_row, outer_params, state_spec_of
 
 NODE = AXES[0]
 STATE, META, RUN = "state.npz", "meta.json", "run.json"
@@ -224,7 +224,7 @@ def restore(executor, step: int, held: Sequence[bool], folders: dict[int, str]):
       return np.asarray(x)[tuple(index[1:])][None]
 
     staged.append(jax.make_array_from_callback((nodes,) + shape, sharding, fill))
-  outer = {SEP.join(l.names[2:]): i for i, l in enumerate(spec.leaves) if l.names[:2] == ("outer", "params")}
+  outer = outer_params(spec)
   where_held = np.asarray(held)
 
   def assemble(xs):
@@ -237,13 +237,8 @@ def restore(executor, step: int, held: Sequence[bool], folders: dict[int, str]):
       if not row:
         out.append(pick(x))
         continue
-      rest = SEP.join(l.names[1:])
-      if l.kind == "component" or l.names[0] == "skipped":
-        new = jnp.full(x.shape[1:], l.stored.fill if l.stored else 0, x.dtype)
-      elif l.names[0] == "params" and rest in outer:
-        new = pick(xs[outer[rest]]).astype(x.dtype)
-      else:
-        new = pick(x)
+      i = len(out)
+      new = new_row(l, pick(x), pick(xs[outer[i]]) if i in outer else None)
       keep = jnp.asarray(where_held).reshape((nodes,) + (1,) * (x.ndim - 1))
       out.append(jnp.where(keep, x, new[None]))
     return out

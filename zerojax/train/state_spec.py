@@ -162,9 +162,37 @@ class _Spec:
       if l.kind == "component" and saved is not None and tuple(saved[key][0]) != l.shape:
         shape = tuple(saved[key][0])
         out.append((l.names, jax.ShapeDtypeStruct(shape, l.dtype, sharding=l.stored.read_sharding(shape))))
+      elif l.replicated and saved is not None and tuple(saved[key][0]) != l.shape:  # another number of replicas
+        shape = tuple(saved[key][0])
+        out.append((l.names, jax.ShapeDtypeStruct(shape, l.dtype, sharding=NamedSharding(
+            l.sharding.mesh, P(None, *tuple(l.sharding.spec)[1:])))))
       else:
         out.append((l.names, jax.ShapeDtypeStruct(l.shape, l.dtype, sharding=l.sharding)))
     return _nested(out)
+
+  def resize(self, tree: dict) -> dict:
+    """`tree` with each replica leaf saved with another number of replicas (DiLoCo on another number of
+    nodes) brought to this run's: the first rows kept, the rows of nodes beyond them dropped, a new
+    row made by `new_row` (the rule of merging and splitting replicas, `zerojax.train.replica`)."""
+    values = self.unnest(tree)
+    outer = outer_params(self)
+    changed = [i for i, (l, x) in enumerate(zip(self.leaves, values)) if l.replicated and x.shape[0] != l.shape[0]]
+    if not changed:
+      return tree
+
+    def fit(xs):
+      out = list(xs)
+      for i in changed:
+        l, x, n = self.leaves[i], xs[i], self.leaves[i].shape[0]
+        if x.shape[0] >= n:
+          out[i] = x[:n]
+        else:
+          row = new_row(l, x[0], xs[outer[i]] if i in outer else None)
+          out[i] = jax.numpy.concatenate([x, jax.numpy.broadcast_to(row, (n - x.shape[0],) + row.shape)])
+      return out
+
+    shardings = [l.sharding if i in changed else None for i, l in enumerate(self.leaves)]
+    return self.nest(jax.jit(fit, out_shardings=shardings)(values))
 
   def complete(self, tree: dict) -> dict:
     """`tree` with the component leaves it lacks (a checkpoint saved without the component) made fresh."""
@@ -175,6 +203,25 @@ class _Spec:
         d = d.get(n) if isinstance(d, dict) else None
       values.append(l.stored.fresh() if d is None else d)
     return self.nest(values)
+
+
+def outer_params(spec: _Spec) -> dict[int, int]:
+  """Index of each replica leaf `params/...` -> index of its outer parameters `outer/params/...` (DiLoCo)."""
+  outer = {SEP.join(l.names[2:]): i for i, l in enumerate(spec.leaves) if l.names[:2] == ("outer", "params")}
+  return {i: outer[SEP.join(l.names[1:])] for i, l in enumerate(spec.leaves)
+          if l.names[0] == "params" and SEP.join(l.names[1:]) in outer}
+
+
+def new_row(leaf: _Leaf, first, outer=None):
+  """The row of a per-node leaf for a node that joins (traced): DiLoCo's replica starts from the outer
+  parameters `outer` (every replica restarts from them at a sync; DiLoCo Algorithm 1), the skip count
+  and a component's state (Radius's residual) from their fresh value, anything else (the inner optimizer
+  state) from the first node's row `first`."""
+  if leaf.kind == "component" or leaf.names[0] == "skipped":
+    return jax.numpy.full(first.shape, leaf.stored.fill if leaf.stored else 0, first.dtype)
+  if leaf.names[0] == "params" and outer is not None:
+    return outer.astype(first.dtype)
+  return first
 
 
 def _nested(pairs) -> dict:
@@ -235,6 +282,8 @@ def check_compatible(spec: _Spec, saved: dict, where: str) -> None:
     k = SEP.join(l.names)
     if l.kind == "component" and (k not in saved or l.stored.restores(saved[k][0])):
       saved[k] = (want[k][0], saved[k][1] if k in saved else want[k][1])
+    elif l.replicated and k in saved and tuple(saved[k][0])[1:] == want[k][0][1:]:  # rows resized (`resize`)
+      saved[k] = (want[k][0], saved[k][1])
   fmt = lambda sd: f"shape {tuple(sd[0])} {np.dtype(sd[1])}"
   order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params"), k))  # params first
   groups = [

@@ -73,13 +73,16 @@ class Supervisor:
     kill_at: node -> step: SIGKILL that node's process once the lead logged the step (fault injection).
     log: prints one line.
     stop_grace_s: seconds the processes get to stop on SIGTERM before a rejoin.
+    finish_s: seconds the survivors get after a loss to finish writing their copies before the SIGKILL.
   """
 
   def __init__(self, nodes: int, launch: Callable[[Start], subprocess.Popen], workdir: str,
                replica_dir: Callable[[int], str], restart_after: float | None = None,
-               kill_at: dict[int, int] | None = None, log: Callable[[str], None] = print, stop_grace_s: float = 120):
+               kill_at: dict[int, int] | None = None, log: Callable[[str], None] = print, stop_grace_s: float = 120,
+               finish_s: float = 1.0):
     self.nodes, self.launch, self.workdir, self.replica_dir = nodes, launch, workdir, replica_dir
     self.restart_after, self.kill_at, self.log, self.stop_grace_s = restart_after, dict(kill_at or {}), log, stop_grace_s
+    self.finish_s = finish_s
     self.procs: dict[int, subprocess.Popen] = {}
     self.members: list[int] = []
     self.generation = -1
@@ -201,7 +204,8 @@ class Supervisor:
     by_signal = [n for n in dead if codes[n] < 0 and codes[n] != -signal.SIGTERM]
     lost = by_signal or dead  # peers that fail because a node died exit with an error, not a signal
     last = self.last_step()
-    self.stop_all(signal.SIGKILL)  # the survivors wait in a collective for the dead node: nothing to save
+    time.sleep(self.finish_s)  # let the survivors finish writing the copy of their last step
+    self.stop_all(signal.SIGKILL)  # they wait in a collective for the dead node: nothing else to save
     survivors = [n for n in self.members if n not in lost]
     info = self.run_info() or {}
     plan = info.get("plan", "the plan")

@@ -272,6 +272,9 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
         raise NonFiniteError(f"{in_a_row} steps in a row had non-finite loss or gradients (last at step "
                              f"{step}, loss={loss}); lower the learning rate or check the data")
       first_loss = loss if first_loss is None and finite else first_loss
+      if copies and (step % replica_every == 0 or step == steps):  # before the step is logged: a logged
+        replica_lib.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss,
+                         settings=settings)  # step is one this node holds
       eval_loss = evaluate(state) if (eval_every and step % eval_every == 0) or step == steps else None
       logged = step % log_every == 0 or eval_loss is not None
       # the skip count is one per replica with DiLoCo: every process joins its sum
@@ -285,7 +288,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_s=f"{dt:.3f}")
       bar.update(1)
       stopped = stop.requested()
-      if copies and (step % replica_every == 0 or step == steps or stopped):
+      if copies and stopped and step % replica_every and step != steps:
         replica_lib.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss,
                          settings=settings)
       if (checkpoint_every and step % checkpoint_every == 0) or step == steps or stopped:
