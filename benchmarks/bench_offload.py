@@ -12,14 +12,17 @@
   python benchmarks/bench_offload.py --fit [--d_model 4096] [--seq 1024] [--host_bytes B] [--host_fraction 0.85]
       [--max_probes 6] [--out benchmarks/gpu/offload_fit_run.json]
       on one device: the largest GPT (d_model fixed, layers searched) that trains with
-      offload=("opt_state", "master") while its offloaded states (12 bytes per parameter) fit
-      `--host_fraction` of the host's memory: the host, not the device, is the limit the search starts
-      from; from there it bisects the layers down to the largest that trains. Every try runs in its own
-      process, so an out-of-memory error releases everything it held. The size found then runs without
-      offload, in its own process too (out of memory where offload was needed). Rows: losses, ms per step,
-      the compiled program's memory (device and host). The GPU kit runs it; `--compile_only h100
-      --device_bytes B --host_bytes B` compiles each try for a compile-only H100 instead (a try fits when
-      the device peak is at most B and the host bytes at most the host's).
+      offload=("opt_state", "master") while the host memory its compiled step needs fits `--host_fraction`
+      of the host's: the host, not the device, is the limit the search starts from. The need per layer
+      and the fixed rest come from the step compiled for 1 and 2 layers (`host_need`: the donated host
+      buffers updated in place, 12 bytes per parameter). From there it bisects the layers down to the largest
+      that trains. Every try runs in its own process, so an out-of-memory error releases everything it held,
+      and so does the description of the device (the search's own process never starts its backend). The
+      size found then runs without offload, in its own process too (out of memory where offload was needed).
+      Rows: losses, ms per step, the compiled program's memory (device and host). The GPU kit runs it;
+      `--compile_only h100 --device_bytes B --host_bytes B` compiles each try for a compile-only H100 instead,
+      as a GPU's jax types it (`compile_as_on_gpu`; a try fits when the device peak is at most B and the host
+      bytes at most the host's). `--fit_probe --layers L [--out F]` is one such try.
 
 Prints one JSON object; `--out` also writes it.
 
@@ -45,6 +48,7 @@ import zerojax.plan as plans  # noqa: E402
 from zerojax import gpu_aot  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
+from zerojax.memory import memory_report  # noqa: E402
 from bench_gpu_step import error_text, spread  # noqa: E402  (the kit's step benchmark: the same figures)
 
 SETTINGS = ((), ("opt_state",), ("opt_state", "master"))
@@ -120,7 +124,40 @@ def cost(args) -> dict:
           "steps": args.steps, "reps": args.reps, "rows": rows}
 
 
-OFFLOADED_BYTES = 12  # per parameter in host memory with offload=("opt_state", "master"): master 4, moments 8
+class _Compiled:
+  """A compiled executable seen through the methods `gpu_aot.memory` and the schedule readers use."""
+  def __init__(self, exe):
+    self.exe = exe
+
+  def memory_analysis(self):
+    return self.exe.get_compiled_memory_stats()
+
+  def as_text(self) -> str:
+    return self.exe.hlo_modules()[0].to_string()
+
+
+def compile_as_on_gpu(ex, batch_shape, target: str = "h100"):
+  """The train step of `ex` (an executor on CPU devices) lowered for CUDA and compiled for compile-only
+  `target` GPUs, as many as `ex`'s devices: the program a GPU gets.
+
+  Compile-only GPUs list no memories, so jax (0.10.2) drops the memory kind of their shardings: the step
+  compiled on them (`gpu_aot.compile_step`) has no input in host memory for jax, which types the offloaded
+  states as device memory, and XLA infers their host placement from the moves. CPU devices, like GPUs,
+  have "pinned_host": traced on them the step's inputs are typed and lowered as host memory (the in-place
+  update of `offload.stream_layers`; the schedule of the moves), and the compile-only GPU compiles that.
+  Only choices made from the mesh's platform differ (`gpu_aot.is_gpu`: prefetch, kernels); dp on one
+  device has none."""
+  from jax._src import compiler
+  from jax._src.lib import xla_client as xc
+
+  gpus = gpu_aot.devices(target, 1, ex.mesh.size)
+  traced = ex.step_fn().trace(*gpu_aot.abstract_inputs(ex, batch_shape))
+  module = traced.lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+  client = gpus[0].client
+  options = compiler.get_compile_options(num_replicas=1, num_partitions=len(gpus),
+                                         device_assignment=np.array(gpus).reshape(1, len(gpus)),
+                                         env_options_overrides=dict(gpu_aot.GPU_COMPILER_OPTIONS), backend=client)
+  return _Compiled(compiler.backend_compile_and_load(client, module, xc.DeviceList(tuple(gpus)), options, []))
 
 
 def gpt_params(d: int, layers: int, vocab: int = 32000) -> int:
@@ -128,31 +165,78 @@ def gpt_params(d: int, layers: int, vocab: int = 32000) -> int:
   return 12 * d * d * layers + 2 * vocab * d
 
 
-def host_layers(d: int, host_bytes: float, fraction: float) -> int:
-  """The most layers whose offloaded states (`OFFLOADED_BYTES` per parameter) fit `fraction` of the host."""
-  return max(0, int((fraction * host_bytes / OFFLOADED_BYTES - 2 * 32000 * d) // (12 * d * d)))
+def fit_executor(args, layers: int, setting: tuple):
+  """(the --fit GPT of `layers` with offload `setting` on one device, a token batch [1, 1, seq + 1]): on the
+  device present, or with `--compile_only` on a CPU device (`compile_as_on_gpu` compiles it for the GPU)."""
+  d = args.d_model
+  cfg = GPTConfig(vocab_size=32000, seq_len=args.seq, d_model=d, num_heads=d // 128, num_layers=layers)
+  mesh = zerojax.make_mesh(1, 1, devices=jax.devices("cpu" if args.compile_only else None)[:1])
+  ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000), plans.dp(offload=setting, compute_dtype="bfloat16"),
+                        mesh)
+  return ex, np.random.default_rng(0).integers(0, 32000, (1, 1, args.seq + 1)).astype(np.int32)
 
 
-def probe(args, layers: int, setting: tuple) -> dict:
-  """One size and offload setting in its own process (`--fit_probe`): whatever it allocated, an out-of-memory
-  error included, is released with that process. Its row, or its error when it printed none."""
-  cmd = [sys.executable, os.path.abspath(__file__), "--fit_probe", "--layers", str(layers), "--offload",
-         ",".join(setting) or "none", "--d_model", str(args.d_model), "--seq", str(args.seq), "--steps",
-         str(args.steps)]
+def compiled_memory(args, ex, batch) -> dict:
+  """`gpu_aot.memory` of `ex`'s step compiled for `--compile_only` (as on a GPU) or the device present, and
+  `host_bytes_used`: the host memory the program needs (arguments, outputs not aliased to them, temporaries),
+  or where the platform does not count host memory apart (CPUs) the offloaded states' (`memory_report`)."""
+  prog = (compile_as_on_gpu(ex, batch.shape, args.compile_only) if args.compile_only
+          else gpu_aot.compile_step(ex, batch.shape)[0])
+  mem = gpu_aot.memory(prog)
+  h = mem["host"]
+  counted = h["argument"] + h["output"] - h["alias"] + h["temp"]
+  return {"memory": mem, "host_bytes_used": counted or memory_report(ex)["expected"]["host"]}
+
+
+def host_need(args) -> dict:
+  """The host bytes the offloaded step needs, from its compiled program for 1 and 2 layers: per layer and
+  fixed (embedding, head), so that the search's first try is the largest the host holds."""
+  used = [compiled_memory(args, *fit_executor(args, n, ("opt_state", "master")))["host_bytes_used"] for n in (1, 2)]
+  per_layer = used[1] - used[0]
+  return {"per_layer": per_layer, "fixed": used[0] - per_layer,
+          "per_parameter": round(per_layer / gpt_params(args.d_model, 1, vocab=0), 3)}
+
+
+def host_layers(host_bytes: float, fraction: float, need: dict) -> int:
+  """The most layers whose host bytes (`host_need`) fit `fraction` of the host."""
+  return max(0, int((fraction * host_bytes - need["fixed"]) // need["per_layer"]))
+
+
+def child(args, flags: list) -> dict:
+  """This script with `flags` in a process of its own: whatever it allocated, an out-of-memory error included,
+  is released with that process. The JSON of its last line starting "PROBE ", or its error."""
+  cmd = [sys.executable, os.path.abspath(__file__), *flags, "--d_model", str(args.d_model), "--seq", str(args.seq),
+         "--steps", str(args.steps)]
   if args.compile_only:
-    cmd += ["--compile_only", args.compile_only, "--device_bytes", str(args.device_bytes), "--host_bytes",
+    cmd += ["--compile_only", args.compile_only, "--device_bytes", str(args.device_bytes or 0), "--host_bytes",
             str(args.host_bytes)]
-  row = {"layers": layers, "parameters": gpt_params(args.d_model, layers), "offload": list(setting)}
-  t0 = time.perf_counter()
   try:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.probe_timeout)
     lines = [l for l in r.stdout.splitlines() if l.startswith("PROBE ")]
-    row.update(json.loads(lines[-1][6:]) if lines else {"ok": False, "error": f"exit {r.returncode}: "
-                                                      + (r.stderr.strip().splitlines() or ["no output"])[-1][:500]})
+    return json.loads(lines[-1][6:]) if lines else {"ok": False, "error": f"exit {r.returncode}: " + (
+        r.stderr.strip().splitlines() or ["no output"])[-1][:500]}
   except subprocess.TimeoutExpired:
-    row.update(ok=False, error=f"no result within {args.probe_timeout} s")
+    return {"ok": False, "error": f"no result within {args.probe_timeout} s"}
+
+
+def probe(args, layers: int, setting: tuple) -> dict:
+  """One size and offload setting in its own process (`--fit_probe`, `child`): its row."""
+  row = {"layers": layers, "parameters": gpt_params(args.d_model, layers), "offload": list(setting)}
+  t0 = time.perf_counter()
+  row.update(child(args, ["--fit_probe", "--layers", str(layers), "--offload", ",".join(setting) or "none"]),
+             offload=list(setting))
   row["seconds"] = round(time.perf_counter() - t0, 1)
   return row
+
+
+def describe(args) -> dict:
+  """`--fit_describe`: the device (kind, platform, memory limit) and `host_need`. --fit runs it in a process
+  of its own (`child`): the search's process never starts the GPU's backend, whose allocator would hold
+  the device memory the tries need."""
+  dev = gpu_aot.devices(args.compile_only, 1, 1)[0] if args.compile_only else jax.devices()[0]
+  stats = {} if args.compile_only else dev.memory_stats() or {}
+  return {"ok": True, "device": dev.device_kind, "platform": dev.platform, "device_bytes": stats.get("bytes_limit"),
+          "host_need": host_need(args)}
 
 
 def largest(hi: int, ok, max_probes: int) -> int:
@@ -171,27 +255,19 @@ def largest(hi: int, ok, max_probes: int) -> int:
 
 def run_one(args) -> dict:
   """`--fit_probe`: the GPT of `--layers` with `--offload` on one device, in this process: trained `--steps`
-  steps (ok: it trained), or compiled for `--compile_only` (ok: the device peak fits `--device_bytes` and the
-  host's bytes `--host_bytes`)."""
+  steps (ok: it trained), or compiled for `--compile_only` as on a GPU (`compile_as_on_gpu`; ok: the device
+  peak fits `--device_bytes` and the host's bytes `--host_bytes`)."""
   setting = () if args.offload == "none" else tuple(args.offload.split(","))
-  dev = gpu_aot.devices(args.compile_only, 1, 1)[0] if args.compile_only else jax.devices()[0]
-  d = args.d_model
-  cfg = GPTConfig(vocab_size=32000, seq_len=args.seq, d_model=d, num_heads=d // 128, num_layers=args.layers)
-  mesh = zerojax.make_mesh(1, 1, devices=[dev])
-  batch = np.random.default_rng(0).integers(0, 32000, (1, 1, args.seq + 1)).astype(np.int32)  # [accum, batch, seq + 1]
-  plan = plans.dp(offload=setting, compute_dtype="bfloat16")
   out = {}
   try:
+    ex, batch = fit_executor(args, args.layers, setting)
     if args.compile_only:  # the compiled program's device peak and host bytes against the limits
-      ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000), plan, mesh)
-      mem = gpu_aot.memory(gpu_aot.compile_step(ex, batch.shape)[0])
-      h = mem["host"]
-      host = h["argument"] + h["output"] - h["alias"] + h["temp"]
-      return {"ok": mem["device_peak"] <= args.device_bytes and host <= args.host_bytes, "memory": mem,
-              "host_bytes_used": host}
-    ex, compiled, state = system(plan, cfg, mesh, [batch])
-    out["memory"] = memory_of(compiled)
-    shard, losses, times = ex.shard_batch(batch), [], []
+      out = compiled_memory(args, ex, batch)
+      out["ok"] = out["memory"]["device_peak"] <= args.device_bytes and out["host_bytes_used"] <= args.host_bytes
+      return out
+    state, shard = ex.init(jax.random.key(0)), ex.shard_batch(batch)
+    compiled = ex.step_fn().lower(state, shard).compile()
+    out["memory"], losses, times = memory_of(compiled), [], []
     for _ in range(args.steps):
       t0 = time.perf_counter()
       state, m = compiled(state, shard)
@@ -206,21 +282,24 @@ def run_one(args) -> dict:
 def fit(args) -> dict:
   """The largest GPT (d_model `--d_model`, layers searched) whose states the host holds with
   offload=("opt_state", "master"), trained on one device (or compiled for `--compile_only`); each try in its
-  own process. The host is the limit: at most `--host_fraction` of its memory holds the offloaded states,
-  and the search starts there; it bisects the layers down to the largest that trains (`--max_probes` tries).
+  own process. The host is the limit: at most `--host_fraction` of its memory holds what the compiled step
+  needs there (`host_need`), and the search starts there; it bisects the layers down to the largest that trains (`--max_probes` tries).
   The same size without offload then runs in its own process (out of memory where offload was needed)."""
-  dev = gpu_aot.devices(args.compile_only, 1, 1)[0] if args.compile_only else jax.devices()[0]
-  stats = {} if args.compile_only else dev.memory_stats() or {}
-  args.device_bytes = args.device_bytes or stats.get("bytes_limit")
   args.host_bytes = args.host_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   off = ("opt_state", "master")
-  out = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+  info = child(args, ["--fit_describe"])
+  args.device_bytes = args.device_bytes or info.get("device_bytes")
+  out = {"device": info.get("device"), "platform": info.get("platform"), "jax": jax.__version__,
          "device_bytes": args.device_bytes, "host_bytes": args.host_bytes, "host_fraction": args.host_fraction,
-         "d_model": args.d_model, "seq": args.seq, "offload": list(off), "search": []}
+         "d_model": args.d_model, "seq": args.seq, "offload": list(off), "host_need": info.get("host_need"),
+         "search": []}
+  if not info.get("ok"):
+    out["error"] = f"describing the device and the host's need failed: {info.get('error')}"
+    return out
   if args.compile_only and not args.device_bytes:
     out["error"] = "--compile_only needs --device_bytes (the device's memory to fit)"
     return out
-  hi = host_layers(args.d_model, args.host_bytes, args.host_fraction)
+  hi = host_layers(args.host_bytes, args.host_fraction, info["host_need"])
   out["host_limit_layers"] = hi
   rows = {}
   found = largest(hi, lambda layers: rows.setdefault(layers, probe(args, layers, off))["ok"], args.max_probes)
@@ -230,7 +309,7 @@ def fit(args) -> dict:
     return out
   best = rows[found]
   out["largest"] = {"layers": best["layers"], "parameters": best["parameters"],
-                    "host_bytes_of_states": OFFLOADED_BYTES * best["parameters"],
+                    "host_bytes_needed": info["host_need"]["fixed"] + best["layers"] * info["host_need"]["per_layer"],
                     "state_bytes_without_offload": STATE_BYTES * best["parameters"],
                     "limited_by": "host" if best["layers"] == out["host_limit_layers"] else "device"}
   out["runs"] = {"with_offload": best, "without_offload": probe(args, best["layers"], ())}
@@ -241,6 +320,7 @@ def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--fit", action="store_true")
   ap.add_argument("--fit_probe", action="store_true", help="--fit's one try (run by --fit in a process of its own)")
+  ap.add_argument("--fit_describe", action="store_true", help="--fit's device and host need (a process of its own)")
   ap.add_argument("--offload", default="opt_state,master", help="--fit_probe: the setting (or none)")
   ap.add_argument("--host_fraction", type=float, default=0.85, help="--fit: of the host's memory, for the states")
   ap.add_argument("--max_probes", type=int, default=6, help="--fit: sizes tried with offload")
@@ -261,8 +341,12 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   if args.compile_only:
     gpu_aot.compile_only_host()  # this process's own backend stays the CPU
-  if args.fit or args.fit_probe:
+  if args.fit or args.fit_probe or args.fit_describe:
     args.d_model, args.seq = args.d_model or 4096, args.seq or 1024
+    if args.fit_describe:
+      row = describe(args)
+      print("PROBE " + json.dumps(row))
+      return row
     if args.fit_probe:
       row = run_one(args)
       row.update(layers=args.layers, d_model=args.d_model, seq=args.seq, offload=args.offload, jax=jax.__version__,

@@ -17,6 +17,23 @@ from zerojax.offload import HOST, sharding_kind
 from zerojax.train_state import STATEFUL, TrainState
 
 
+def in_flight(ex: Executor, host: int) -> int:
+  """The most offloaded bytes per device the step holds on the device at once: with the streamed update
+  (docs/offload.md) the three largest chunks' (a unit, or one layer of a scanned unit; a chunk's unit
+  fetch waits on the store of the unit two before it), with a stateful component all of `host`."""
+  if not host or ex.stateful:
+    return host
+  chunks = []
+  for name, tree in ex.layout.tree().items():
+    leaves = jax.tree.leaves(tree, is_leaf=layout_lib.is_layout)
+    if name in ex.model.scanned:
+      chunks += [sum(l.padded for l in leaves)] * max([l.layers or 1 for l in leaves] + [1])
+    else:
+      chunks.append(sum(l.padded * (l.layers or 1) for l in leaves))
+  numel = sum(chunks)
+  return host * sum(sorted(chunks)[-3:]) // numel
+
+
 def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
   """Bytes per device of parameters, gradients and optimizer states (master weights included); `host`
   of them in host memory (`Sharding.offload`), `device` the rest.
@@ -27,6 +44,8 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
 
   Returns:
     `{"expected": {...}, "measured": {...}}` in bytes per device; `measured` only with `state`.
+    `expected["host_in_flight"]`: of the `host` bytes, the most on the device at once during the update
+    (`in_flight`).
   """
   s = lambda axes: group_size(ex.mesh, axes)
   plan, sharding = ex.plan, ex.plan.sharding
@@ -56,6 +75,7 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
   expected["host"] = (expected["master"] if offload.host("params") else 0) + (
       expected["optimizer"] if offload.host("opt_state") else 0)
   expected["device"] = expected["total"] - expected["host"]
+  expected["host_in_flight"] = in_flight(ex, expected["host"])
   report = {"plan": plan.name, "expected": expected}
   if state is not None:
     dev = ex.mesh.devices.flat[0]

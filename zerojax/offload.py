@@ -213,20 +213,41 @@ def chunk_optimizer(optimizer, layout: layout_lib.Layout, unit: str, scanned: bo
   return opt, [i for i, x in enumerate(states) if x.ndim and x.size], (shapes, states)
 
 
+def in_host_memory(tree) -> bool:
+  """Inside a trace: whether every array of `tree` is typed as host memory. The step's offloaded inputs are,
+  on every backend with memory kinds (GPUs, CPUs); compile-only GPUs of jax 0.10.2 list no memories, so their
+  shardings drop the memory kind and the trace types those inputs as device memory (docs/offload.md)."""
+  return all(jax.typeof(x).memory_space == jax.memory.Space.Host for x in jax.tree.leaves(tree) if np.ndim(x))
+
+
 def stream_layers(offload: HostOffload, chunk, grads, hp, hs):
   """`chunk(grads, params, states)` over the layers of a scanned unit: a `lax.scan` whose step i fetches
   layer i + 1's master weights `hp` and states `hs` (clamped: the last step fetches the last layer again),
-  updates layer i (fetched by the step before) and stores it; the stored layers stack in the memory their
-  field lives in. -> (new master, new states, the scalar states of the first layer's update)."""
+  updates layer i (fetched by the step before) and stores it. -> (new master, new states, the scalar states
+  of the first layer's update).
+
+  The stored layer is written into the host arrays themselves (`dynamic_update_slice` into the scan's carry),
+  so the donated host buffers are updated in place and the states are in host memory once. Where the trace
+  types the host arrays as device memory (`in_host_memory`: compile-only GPUs of jax 0.10.2), the stored
+  layers stack in a new host array instead, and the states are in host memory twice during the step."""
   n = jax.tree.leaves(grads)[0].shape[0]
   take = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), tree)
-  get = lambda i: (offload.fetch("params", take(hp, i)), offload.fetch("opt_state", take(hs, i)))
+  get = lambda hp, hs, i: (offload.fetch("params", take(hp, i)), offload.fetch("opt_state", take(hs, i)))
+  put = lambda tree, new, i: jax.tree.map(lambda x, y: lax.dynamic_update_index_in_dim(x, y, i, 0), tree, new)
+  in_place = all(in_host_memory(t) for f, t in (("params", hp), ("opt_state", hs)) if offload.host(f))
 
-  def body(cur, xs):
+  def body(carry, xs):
+    hp_c, hs_c, cur = carry if in_place else (hp, hs, carry)
     i, g = xs
-    nxt = get(jnp.minimum(i + 1, n - 1))
+    nxt = get(hp_c, hs_c, jnp.minimum(i + 1, n - 1))
     p_new, s_new, sc = chunk(jax.tree.map(lambda x: x[None], g), *cur)
+    p_new, s_new = offload.store("params", p_new), offload.store("opt_state", s_new)
+    if in_place:  # layer i + 1 is read before layer i is written: else XLA copies the whole host array
+      nxt, hp_c, hs_c = lax.optimization_barrier((nxt, hp_c, hs_c))
+      return (put(hp_c, p_new, i), put(hs_c, s_new, i), nxt), sc
     one = lambda t: jax.tree.map(lambda x: x[0], t)
-    return nxt, (offload.store("params", one(p_new)), offload.store("opt_state", one(s_new)), sc)
-  _, (p_new, s_new, sc) = lax.scan(body, get(0), (jnp.arange(n), grads))
+    return nxt, (one(p_new), one(s_new), sc)
+  first = get(hp, hs, 0)
+  carry, ys = lax.scan(body, (hp, hs, first) if in_place else first, (jnp.arange(n), grads))
+  p_new, s_new, sc = (carry[0], carry[1], ys) if in_place else ys
   return p_new, s_new, [x[0] for x in sc]

@@ -238,7 +238,7 @@ class StepMixin:
     `batch` is a pytree (numpy or jax arrays) whose leaves lead with `[accum, global_batch, ...]`, or
     with `[global_batch, ...]` when `accum_steps == 1`; see `shard_batch`. The step runs the program of
     `phase(state)`, each compiled on first use; `step.lower(state, batch, phase=None)` lowers one
-    (default: a stateful component's steady state, `Stateful.phases[-1]`, else "dense"). On GPUs it
+    (default: a stateful component's steady state, `Stateful.phases[-1]`, else "dense"), `step.trace` traces it. On GPUs it
     compiles with `zerojax.gpu_aot.GPU_COMPILER_OPTIONS`.
     """
     if self._step is None:
@@ -265,6 +265,7 @@ class StepMixin:
         return state, (summary(metrics) if self.replica_axes else metrics)
       default = next((c.phases[-1] for c in self.stateful.values() if c.phases and c.replaces_sync), "dense")
       step.lower = lambda state, batch, phase=None: program(phase or default).lower(state, batch)
+      step.trace = lambda state, batch, phase=None: program(phase or default).trace(state, batch)
       self._step = step
     return self._step
 
