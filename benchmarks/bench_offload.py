@@ -22,7 +22,8 @@
       Rows: losses, ms per step, the compiled program's memory (device and host). The GPU kit runs it;
       `--compile_only h100 --device_bytes B --host_bytes B` compiles each try for a compile-only H100 instead,
       as a GPU's jax types it (`compile_as_on_gpu`; a try fits when the device peak is at most B and the host
-      bytes at most the host's). `--fit_probe --layers L [--out F]` is one such try.
+      bytes at most the host's). `--fit_probe --layers L [--out F]` is one such try; with `--bulk` the states
+      are fetched at once after the backward, as before the streamed update.
 
 Prints one JSON object; `--out` also writes it.
 
@@ -30,6 +31,7 @@ References:
   ZeRO-Offload: Ren et al. 2021, §4 (what moves to the host), §6 (model sizes one GPU trains with it).
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -173,6 +175,8 @@ def fit_executor(args, layers: int, setting: tuple):
   mesh = zerojax.make_mesh(1, 1, devices=jax.devices("cpu" if args.compile_only else None)[:1])
   ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000), plans.dp(offload=setting, compute_dtype="bfloat16"),
                         mesh)
+  if getattr(args, "bulk", False):  # every state fetched at once after the backward: the update before streaming
+    ex.components = dataclasses.replace(ex.components, offload=dataclasses.replace(ex.components.offload, stream=False))
   return ex, np.random.default_rng(0).integers(0, 32000, (1, 1, args.seq + 1)).astype(np.int32)
 
 
@@ -322,6 +326,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--fit_probe", action="store_true", help="--fit's one try (run by --fit in a process of its own)")
   ap.add_argument("--fit_describe", action="store_true", help="--fit's device and host need (a process of its own)")
   ap.add_argument("--offload", default="opt_state,master", help="--fit_probe: the setting (or none)")
+  ap.add_argument("--bulk", action="store_true", help="--fit_probe: fetch every state at once (HostOffload.stream False)")
   ap.add_argument("--host_fraction", type=float, default=0.85, help="--fit: of the host's memory, for the states")
   ap.add_argument("--max_probes", type=int, default=6, help="--fit: sizes tried with offload")
   ap.add_argument("--probe_timeout", type=float, default=900, help="--fit: seconds for one try")
@@ -350,6 +355,7 @@ def main(argv=None) -> dict:
     if args.fit_probe:
       row = run_one(args)
       row.update(layers=args.layers, d_model=args.d_model, seq=args.seq, offload=args.offload, jax=jax.__version__,
+                 update="bulk" if args.bulk else "streamed",
                  parameters=gpt_params(args.d_model, args.layers))
       print("PROBE " + json.dumps(row))
       if args.out:

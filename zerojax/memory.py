@@ -20,8 +20,9 @@ from zerojax.train_state import STATEFUL, TrainState
 def in_flight(ex: Executor, host: int) -> int:
   """The most offloaded bytes per device the step holds on the device at once: with the streamed update
   (docs/offload.md) the three largest chunks' (a unit, or one layer of a scanned unit; a chunk's unit
-  fetch waits on the store of the unit two before it), with a stateful component all of `host`."""
-  if not host or ex.stateful:
+  fetch waits on the store of the unit two before it), with a stateful component (or `HostOffload.stream`
+  False) all of `host`."""
+  if not host or ex.stateful or not ex.components.offload.stream:
     return host
   chunks = []
   for name, tree in ex.layout.tree().items():

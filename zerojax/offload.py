@@ -44,8 +44,12 @@ class HostOffload:
   Attributes:
     fields: the `TrainState` fields held in host memory ("params": the fp32 master weights, "opt_state").
       Only their arrays (ndim >= 1) move; scalars such as Adam's step count stay on the device.
+    stream: the update streams chunk by chunk (`zerojax.step`'s `_streamed_update`); False fetches every
+      state at once after the backward, as a plan with a stateful component does (the before of
+      docs/offload.md, which `benchmarks/bench_offload.py --fit_probe --bulk` measures).
   """
   fields: tuple[str, ...] = ()
+  stream: bool = True
 
   @classmethod
   def of(cls, plan, mesh: Mesh) -> "HostOffload":

@@ -155,7 +155,7 @@ class StepMixin:
     per_replica = jax.vmap if self.replica_axes else (lambda f: f)
     grad_norm = per_replica(optax.tree.norm)(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if offload.fields and not self.stateful:  # offloaded states stream through the device chunk by chunk
+    if offload.fields and offload.stream and not self.stateful:  # states stream through the device chunk by chunk
       params, opt_state = self._streamed_update(host, grads, finite)
       new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                           skipped=state.skipped + (~finite).astype(jnp.int32),
