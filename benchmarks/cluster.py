@@ -463,11 +463,6 @@ def parser() -> argparse.ArgumentParser:
   return ap
 
 
-def supervisor_parse(text: str) -> tuple[int, int]:
-  from zerojax.train.supervisor import parse_kill
-  return parse_kill(text)
-
-
 def main(argv=None) -> int:
   args = parser().parse_args(argv)
   if args.nodes < 2 or args.devices < 1:
@@ -477,13 +472,13 @@ def main(argv=None) -> int:
     print("--restart_after goes with --kill NODE@STEP", file=sys.stderr)
     return 2
   if args.kill:
+    from zerojax.train.supervisor import parse_kill
     try:
-      node, _ = supervisor_parse(args.kill)
+      node, _ = parse_kill(args.kill)
+      if not 0 <= node < args.nodes:
+        raise ValueError(f"--kill names node {node}, but the nodes are 0..{args.nodes - 1}")
     except ValueError as e:
       print(f"cluster: {e}", file=sys.stderr)
-      return 2
-    if not 0 <= node < args.nodes:
-      print(f"--kill names node {node}, but the nodes are 0..{args.nodes - 1}", file=sys.stderr)
       return 2
   if not args.profile and not args.gin_file:
     print("need --gin_file (a training run) or --profile (the collective profiler)", file=sys.stderr)
