@@ -20,7 +20,8 @@ inside one node (sharded over A_os, replicated across nodes).
 State (`OuterState`, the `TrainState` field "outer"): per leaf the outer parameters and the outer
 momentum, `[(layers,) padded]` fp32. A checkpoint stores both in the leaf's logical shape; with the
 replicas' master weights and optimizer states (stored `[nodes, *logical shape]`), a run resumes bitwise on
-the same mesh and restores onto another mesh with the same number of nodes.
+the same mesh and restores onto another mesh, with fewer or more nodes by the replica rule
+(`zerojax.train.state_spec`; docs/training.md, "When a node dies").
 
 References:
   DiLoCo: Douillard et al. 2023, Algorithm 1, §3. Streaming DiLoCo: Douillard et al. 2025, §2.2, §2.3, §2.4.
