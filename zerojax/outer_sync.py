@@ -180,12 +180,13 @@ class OuterSync(Stateful):
 
   def stored(self) -> list[Stored]:
     out = []
-    for _ in ("params", "momentum"):
+    for part in ("params", "momentum"):
       for lay in self.layout.leaves:
         shape = lay.logical_shape
         out.append(Stored(shape, np.dtype(np.float32), layout_lib.logical_sharding(self.mesh, self.opt_order, shape),
                           to_logical=lambda x, lay=lay: layout_lib.unflatten_leaf(x, lay),
-                          from_logical=lambda x, lay=lay: layout_lib.flatten_leaf(x, lay)))
+                          from_logical=lambda x, lay=lay: layout_lib.flatten_leaf(x, lay),
+                          seeds_replicas=part == "params"))  # a joining node's replica starts from them
     return out
 
 

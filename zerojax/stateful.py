@@ -48,6 +48,9 @@ class Stored:
     fill: the value of every element when a checkpoint lacks the leaf (one saved without the component).
     accepts: saved shapes other than `shape` the leaf restores from (e.g. another replica count); None: none.
     read_sharding: the sharding such a saved shape is read with.
+    seeds_replicas: a replica that joins (a node added on restore, `zerojax.train.replica`) starts its
+      master weights from this leaf: the parameter named by the leaf's path below the component's sub-tree
+      (DiLoCo's outer parameters, Algorithm 1).
   """
   shape: tuple[int, ...]
   dtype: Any
@@ -57,6 +60,7 @@ class Stored:
   fill: Any = 0
   accepts: Callable[[tuple], bool] | None = None
   read_sharding: Callable[[tuple], NamedSharding] | None = None
+  seeds_replicas: bool = False
 
   def restores(self, saved_shape) -> bool:
     saved_shape = tuple(saved_shape)

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.mesh import AXES
-from zerojax.train.state_spec import SEP, CheckpointError, logical_state, new_row, outer_params, state_spec_of
+from zerojax.train.state_spec import SEP, CheckpointError, logical_state, new_row, seed_params, state_spec_of
 
 NODE = AXES[0]
 STATE, META, RUN = "state.npz", "meta.json", "run.json"
@@ -224,7 +224,7 @@ def restore(executor, step: int, held: Sequence[bool], folders: dict[int, str]):
       return np.asarray(x)[tuple(index[1:])][None]
 
     staged.append(jax.make_array_from_callback((nodes,) + shape, sharding, fill))
-  outer = outer_params(spec)
+  seeds = seed_params(spec)
   where_held = np.asarray(held)
 
   def assemble(xs):
@@ -238,7 +238,7 @@ def restore(executor, step: int, held: Sequence[bool], folders: dict[int, str]):
         out.append(pick(x))
         continue
       i = len(out)
-      new = new_row(l, pick(x), pick(xs[outer[i]]) if i in outer else None)
+      new = new_row(l, pick(x), pick(xs[seeds[i]]) if i in seeds else None)
       keep = jnp.asarray(where_held).reshape((nodes,) + (1,) * (x.ndim - 1))
       out.append(jnp.where(keep, x, new[None]))
     return out

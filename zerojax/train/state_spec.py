@@ -175,7 +175,7 @@ class _Spec:
     nodes) brought to this run's: the first rows kept, the rows of nodes beyond them dropped, a new
     row made by `new_row` (the rule of merging and splitting replicas, `zerojax.train.replica`)."""
     values = self.unnest(tree)
-    outer = outer_params(self)
+    seeds = seed_params(self)
     changed = [i for i, (l, x) in enumerate(zip(self.leaves, values)) if l.replicated and x.shape[0] != l.shape[0]]
     if not changed:
       return tree
@@ -187,7 +187,7 @@ class _Spec:
         if x.shape[0] >= n:
           out[i] = x[:n]
         else:
-          row = new_row(l, x[0], xs[outer[i]] if i in outer else None)
+          row = new_row(l, x[0], xs[seeds[i]] if i in seeds else None)
           out[i] = jax.numpy.concatenate([x, jax.numpy.broadcast_to(row, (n - x.shape[0],) + row.shape)])
       return out
 
@@ -205,22 +205,25 @@ class _Spec:
     return self.nest(values)
 
 
-def outer_params(spec: _Spec) -> dict[int, int]:
-  """Index of each replica leaf `params/...` -> index of its outer parameters `outer/params/...` (DiLoCo)."""
-  outer = {SEP.join(l.names[2:]): i for i, l in enumerate(spec.leaves) if l.names[:2] == ("outer", "params")}
-  return {i: outer[SEP.join(l.names[1:])] for i, l in enumerate(spec.leaves)
-          if l.names[0] == "params" and SEP.join(l.names[1:]) in outer}
+def seed_params(spec: _Spec) -> dict[int, int]:
+  """Index of each replica leaf `params/...` -> index of the component leaf a joining replica starts it
+  from (`Stored.seeds_replicas`: `<component>/<part>/...`, e.g. DiLoCo's global parameters)."""
+  seeds = {SEP.join(l.names[2:]): i for i, l in enumerate(spec.leaves)
+           if l.kind == "component" and l.stored is not None and l.stored.seeds_replicas}
+  return {i: seeds[SEP.join(l.names[1:])] for i, l in enumerate(spec.leaves)
+          if l.names[0] == "params" and SEP.join(l.names[1:]) in seeds}
 
 
-def new_row(leaf: _Leaf, first, outer=None):
-  """The row of a per-node leaf for a node that joins (traced): DiLoCo's replica starts from the outer
-  parameters `outer` (every replica restarts from them at a sync; DiLoCo Algorithm 1), the skip count
+def new_row(leaf: _Leaf, first, seed=None):
+  """The row of a per-node leaf for a node that joins (traced): its master weights start from `seed`, the
+  component leaf that seeds replicas (DiLoCo's global parameters: every replica restarts from them at a
+  sync, Algorithm 1), the skip count
   and a component's state (Radius's residual) from their fresh value, anything else (the inner optimizer
   state) from the first node's row `first`."""
   if leaf.kind == "component" or leaf.names[0] == "skipped":
     return jax.numpy.full(first.shape, leaf.stored.fill if leaf.stored else 0, first.dtype)
-  if leaf.names[0] == "params" and outer is not None:
-    return outer.astype(first.dtype)
+  if leaf.names[0] == "params" and seed is not None:
+    return seed.astype(first.dtype)
   return first
 
 
