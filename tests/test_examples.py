@@ -28,8 +28,9 @@ def _f64(tree):
 def check_against_reference(ex, apply_fn, batch, mesh, x64=False):
   """Against the unsharded reference; `x64`: computed in float64 and rounded to float32 (for a model with
   no random draws: float64 draws other dropout masks). The jitted float32 reference of the BatchNorm ResNet
-  is itself 7.6e-4 (relative L2) away from float64, while the executor and the op-by-op float32 reference
-  are within 2e-7 of it."""
+  is itself 7.6e-4 (relative L2) away from float64 (BatchNorm's variance as E[x^2] - E[x]^2 cancels), and
+  the executor's float32 step lands within 2e-7 of float64 or at the jitted reference's distance depending
+  on XLA's fusion of that variance; the bound is twice the jitted float32 reference's distance."""
   state = ex.init(jax.random.key(0))
   v0 = fm.copy(ex.logical_variables(state))
   key = jax.random.wrap_key_data(jnp.array(state.rng))
@@ -40,7 +41,12 @@ def check_against_reference(ex, apply_fn, batch, mesh, x64=False):
     grad, loss, aux, stats = jax.tree.map(
         lambda x: np.asarray(x, np.float32) if np.issubdtype(np.asarray(x).dtype, np.floating) else np.asarray(x), ref)
   got, metrics, state = fm.step_grads(ex, state, batch)
-  assert helpers.rel_l2(got, grad) < 2e-6
+  bound = 2e-6
+  if x64:  # no closer to float64 than float32 gets: twice the jitted float32 reference's own distance
+    ref32 = fm.reference(apply_fn, v0["params"], {k: v for k, v in v0.items() if k != "params"}, batch, key,
+                         mesh.size)
+    bound = max(bound, 2 * helpers.rel_l2(jax.tree.map(np.asarray, ref32[0]), grad))
+  assert helpers.rel_l2(got, grad) < bound
   np.testing.assert_allclose(float(metrics.loss), float(loss), rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), metrics.aux, aux)
   return ex.logical_variables(state), stats
