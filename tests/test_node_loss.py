@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -226,6 +227,16 @@ for _ in range(40 if os.path.exists(os.path.join(work, "finish")) else 600):
 """
 
 
+def poll_until(sup, done, *, may_end=False, timeout=60.0):
+  """Polls the supervisor every 20 ms until `done()`; the run must not end before (unless `may_end`)."""
+  end = time.monotonic() + timeout
+  while not done():
+    status = sup.poll()
+    assert may_end or status is None, f"the run ended with status {status}"
+    assert time.monotonic() < end, f"not done after {timeout} s"
+    time.sleep(0.02)
+
+
 def stand_in_supervisor(tmp_path, replicated, **kw):
   script = tmp_path / "node.py"
   script.write_text(STAND_IN)
@@ -245,19 +256,15 @@ def test_supervisor_restarts_the_survivors_and_the_node_that_comes_back(tmp_path
   sup, starts, lines = stand_in_supervisor(tmp_path, True, restart_after=0.5)
   sup.start([0, 1, 2])
   try:
-    while not sup.trained():
-      assert sup.poll() is None
+    poll_until(sup, sup.trained)
     sup.kill(1)
-    while sup.generation < 1:
-      assert sup.poll() is None
+    poll_until(sup, lambda: sup.generation >= 1)
     assert [(s.node, s.process_id, s.num_processes) for s in starts[3:]] == [(0, 0, 2), (2, 1, 2)]
     assert "--event" in " ".join(starts[3].args) and all("--join" not in s.args for s in starts[3:])
-    while sup.generation < 2:
-      assert sup.poll() is None
+    poll_until(sup, lambda: sup.generation >= 2)
     (tmp_path / "finish").write_text("")
     assert [(s.node, s.process_id, "--join" in s.args) for s in starts[5:]] == [(0, 0, False), (2, 1, False), (1, 2, True)]
-    while sup.poll() is None:
-      pass
+    poll_until(sup, lambda: sup.status is not None, may_end=True)
   finally:
     sup.stop_all()
   assert sup.status == 0
@@ -272,11 +279,9 @@ def test_supervisor_stops_a_plan_without_a_replica_per_node_in_one_line(tmp_path
   sup, starts, lines = stand_in_supervisor(tmp_path, False, restart_after=0.5)
   sup.start([0, 1, 2])
   try:
-    while not sup.trained():
-      assert sup.poll() is None
+    poll_until(sup, sup.trained)
     sup.kill(2)
-    while sup.poll() is None:
-      pass
+    poll_until(sup, lambda: sup.status is not None, may_end=True)
   finally:
     sup.stop_all()
   assert sup.status == 1 and len(starts) == 3
