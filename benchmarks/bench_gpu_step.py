@@ -27,9 +27,8 @@ matmul measured on the device at the start (`matmul_tflops`).
 
 `--compile_only h100 --mesh 1x1` compiles every system of every combination for compile-only GPUs
 (nothing runs) and records per system the compiled memory, whether the fused attention's custom calls are
-in the program and any `[batch, heads, seq, seq]` buffer, and the ratio of each plan's temporaries to
-plain's; `--cpu_cost` adds XLA's flops and bytes accessed of the same systems compiled for one CPU device
-(a compile-only GPU program has no cost analysis).
+in the program and any `[batch, heads, seq, seq]` buffer, XLA's bytes accessed (`bench_added_work.xla_bytes`),
+and the ratios of each plan's temporaries and bytes accessed to plain's.
 
 Prints one JSON object (stdout; a table on stderr); `--out FILE` also writes it (the GPU kit writes
 OUT_DIR/step.json).
@@ -37,7 +36,7 @@ OUT_DIR/step.json).
   python benchmarks/bench_gpu_step.py [--plans dp,zero3,zeropp,mics] [--sweep_plans zero3]
       [--remat auto,full,dots,none] [--attention auto,einsum] [--xla base,maxtext] [--d_model 2048]
       [--layers 12] [--heads 16] [--vocab 32000] [--seq 1024] [--batch 8] [--dtype bfloat16] [--steps 8]
-      [--reps 3] [--nodes 1] [--devices N] [--compile_only h100 --mesh 1x1 [--cpu_cost]] [--out step.json]
+      [--reps 3] [--nodes 1] [--devices N] [--compile_only h100 --mesh 1x1] [--out step.json]
 
 Defaults on a GPU: the 737M-parameter GPT of the first H100 run (d_model 2048, 12 layers, 16 heads,
 vocabulary 32,000, sequence 1,024, batch 8, bf16 compute), remat auto, attention auto, xla base, 8 steps x
@@ -71,6 +70,9 @@ from zerojax.models.gpt import Block, GPTConfig, embed_tokens, gpt, head_loss  #
 from zerojax.planner import remat as remat_choice  # noqa: E402
 from zerojax.remat import ATTENTION  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the other benchmarks' helpers
+from bench_added_work import xla_bytes  # noqa: E402  (XLA's bytes accessed, also of compile-only GPU programs)
 
 PLANS = "dp,zero3,zeropp,mics"
 GPU = dict(d_model=2048, layers=12, heads=16, vocab=32000, seq=1024, batch=8, dtype="bfloat16",
@@ -192,13 +194,6 @@ def evidence(compiled, cfg: GPTConfig, batch: int) -> dict:
           "score_matrix_buffers": text.count(scores)}
 
 
-def cpu_cost(lowered) -> dict | None:
-  """XLA's flops and bytes accessed of a program compiled for the CPU."""
-  ca = lowered.compile().cost_analysis()
-  ca = ca[0] if isinstance(ca, list) else ca
-  return {"flops": float(ca.get("flops", 0)), "bytes_accessed": float(ca.get("bytes accessed", 0))} if ca else None
-
-
 def build_plain(cfg, params, opt, mesh, batches, dtype, remat, compile_only=False) -> System:
   s = System("plain")
   t0 = time.perf_counter()
@@ -275,9 +270,7 @@ def run_block(c, combo, names, params, opt, mesh, batches, flops, peak, measured
       try:
         s = build()
         if args.compile_only:
-          s.row.update(evidence(s.compiled, cfg, c["batch"]))
-          if args.cpu_cost:
-            s.row["cpu_cost"] = cpu_cost_of(name, cfg, model, params, opt, batches, c["dtype"], s.row["remat"])
+          s.row.update(evidence(s.compiled, cfg, c["batch"]), bytes_accessed=xla_bytes(s.compiled))
         else:
           s.row["first_loss"] = float(s.step(0))  # the compiled program's first run: also the warmup
         systems[name] = s
@@ -290,8 +283,8 @@ def run_block(c, combo, names, params, opt, mesh, batches, flops, peak, measured
     for row in rows.values():
       if (row.get("memory") or {}).get("temp_bytes") and (plain.get("memory") or {}).get("temp_bytes"):
         row["temp_ratio_to_plain"] = round(row["memory"]["temp_bytes"] / plain["memory"]["temp_bytes"], 4)
-      if row.get("cpu_cost") and plain.get("cpu_cost"):
-        row["bytes_accessed_ratio_to_plain"] = round(row["cpu_cost"]["bytes_accessed"] / plain["cpu_cost"]["bytes_accessed"], 4)
+      if row.get("bytes_accessed") and plain.get("bytes_accessed"):
+        row["bytes_accessed_ratio_to_plain"] = round(row["bytes_accessed"] / plain["bytes_accessed"], 4)
     return {"remat": remat, "attention": attention, "xla": xla, "systems": rows}
   times = {k: [] for k in systems}
   for r in range(c["reps"]):
@@ -328,14 +321,6 @@ def run_block(c, combo, names, params, opt, mesh, batches, flops, peak, measured
   return {"remat": remat, "attention": attention, "xla": xla, "systems": rows}
 
 
-def cpu_cost_of(name, cfg, model, params, opt, batches, dtype, remat) -> dict | None:
-  """The same system compiled for one CPU device: XLA's flops and bytes accessed."""
-  cpu = zerojax.make_mesh(1, devices=jax.devices("cpu")[:1])
-  if name == "plain":
-    return cpu_cost(build_plain(cfg, params, opt, cpu, batches, dtype, remat, True).lowered)
-  return cpu_cost(build_plan(name, model, params, opt, cpu, batches, dtype, remat, True).lowered)
-
-
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--plans", default=PLANS, help=f"comma-separated zerojax.PLANS (default {PLANS})")
@@ -354,7 +339,6 @@ def main(argv=None) -> dict:
   ap.add_argument("--compile_only", default=None, choices=sorted(gpu_aot.TARGETS),
                   help="compile for compile-only GPUs of this kind (nothing runs)")
   ap.add_argument("--mesh", default="1x1", help="NODESxGPUS of --compile_only (default 1x1)")
-  ap.add_argument("--cpu_cost", action="store_true", help="with --compile_only: XLA's CPU cost analysis too")
   ap.add_argument("--out", default=None, help="also write the JSON to this file")
   args = ap.parse_args(argv)
   combos = list(itertools.product(*(v.split(",") for v in (args.remat, args.attention, args.xla))))
