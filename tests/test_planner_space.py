@@ -1,6 +1,7 @@
 """The planner's whole space: every plan a user picks by name is in it, the techniques are priced so that
 ZeRO++ wins where it should, lossy techniques only when allowed, and the pruned search is exact and small."""
 import dataclasses
+import json
 
 import pytest
 
@@ -114,6 +115,37 @@ def test_lossy_switch():
   assert planner.solve.point_of(lossy[0]).plan(2, 4).sync.outer_sync is not None
   assert planner.solve.point_of(best_radius).plan(2, 4).sync.replica_sync is not None
   assert all(r["s_os"] == 4 and r["s_p"] <= 4 for r in lossy if r["diloco"])  # MiCS with one node per group
+
+
+def test_a_point_is_its_degrees_and_the_plan_settings_of_its_techniques():
+  """A point holds its shard degrees and the `Plan` settings its techniques change (`space.TECHNIQUES`);
+  each technique is read from the plan value that owns it, a ranked row spells it as a column, and the
+  row, also read back from JSON, gives the same point."""
+  pt = planner.Point(8, 8, 8, weight_bits=8, hpz=True, grad_bits=(8, 4))
+  assert pt.settings == (("grad_bits", (8, 4)), ("secondary_axes", ("gpu",)), ("weight_bits", 8))
+  assert pt == planner.Point(8, 8, 8, secondary_axes=("gpu",), weight_bits=8, grad_bits=[8, 4], hierarchical=False)
+  assert (pt.gather.weight_bits, pt.gather.secondary_axes, pt.reduction.hop_bits) == (8, ("gpu",), (8, 4))
+  assert pt.with_(hpz=False, radius=True) == planner.Point(8, 8, 8, weight_bits=8, grad_bits=(8, 4),
+                                                           replica_sync=plans.radius())
+  assert pt.base == planner.Point(8, 8, 8) and pt.base.settings == ()
+  with pytest.raises(TypeError, match=r"hpx=True is neither a technique"):
+    planner.Point(8, 8, 8, hpx=True)
+  every = planner.rank(2, 4, WORK, slow_links(), techniques=True, lossy=True, prune=False)
+  cap = sorted(r["bytes_per_device"] for r in every)[len(every) // 2]
+  rows = planner.rank(2, 4, WORK, slow_links(), techniques=True, lossy=True, prune=False, memory_cap_bytes=cap)
+  points = [planner.solve.point_of(r) for r in rows]
+  for r, p in zip(rows, points):
+    g, red, sync = p.gather, p.reduction, p.sync
+    assert (r["weight_bits"], r["hpz"], r["hierarchical"]) == (g.weight_bits, g.secondary_axes is not None,
+                                                               g.hierarchical)
+    assert (r["grad_bits"], r["grad_format"], r["reduce16"]) == (red.grad_bits, red.grad_format,
+                                                                 red.reduce_dtype == "bfloat16")
+    assert (r["radius"], r["diloco"], r["offload"]) == (sync.replica_sync is not None, sync.outer_sync is not None,
+                                                        bool(p.sharding.offload))
+  assert any(r["offload"] for r in rows) and any(r["diloco"] for r in rows) and any(r["grad_format"] for r in rows)
+  back = [planner.solve.point_of(r) for r in json.loads(json.dumps(rows))]
+  assert back == points and [p.name(8) for p in back] == [r["plan"] for r in rows]
+  assert {p for p in back if not p.sharding.offload} == set(planner.plan_space(2, 4, techniques=True, lossy=True))
 
 
 @pytest.mark.parametrize("lossy", [False, True])

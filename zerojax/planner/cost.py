@@ -17,7 +17,9 @@ collectives of the emulated cluster block; `overlap="full"` T = max(C, T_comm), 
 overlap (AMSP §V-C, Table V). With `spanning_only` the collectives inside a node are left out: they are
 in a compute measured on this process's devices.
 
-The techniques of a point (`space.Point`) change these terms as the executor runs them (`comm_time`):
+The techniques of a point (`space.Point`) change these terms as the executor runs them (`comm_time`), each
+read from the plan value that owns its setting (`point.gather`, `point.reduction`, `point.sync`,
+`point.sharding`), so a technique added to the space (`space.TECHNIQUES`) is priced by what it sets:
 qwZ's gathers move b/8 + 4/256 bytes per parameter, hpZ's backward gathers inside the node, a
 hierarchical gather is one across nodes (stride G) and one inside, qgZ and the 16-bit reduction are a
 two-hop all-to-all, r = 2 with the 16-bit reduction (4 on the wire of a psum where the backend widens
@@ -38,19 +40,23 @@ from __future__ import annotations
 
 import dataclasses
 
-from zerojax.plan import Diloco, Radius
+import jax.numpy as jnp
+
+from zerojax.plan import Radius
+from zerojax.plan_values import Reduction
 from zerojax.planner.space import Point
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-# Radius's replica all-reduce over a window of `period` steps, as a fraction of the dense one: one dense
-# select step, then `density` of the values on the others (the planner uses Radius's defaults).
-RADIUS_PERIOD_FRACTION = (1 + (Radius.period - 1) * Radius.density) / Radius.period
-# DiLoCo's outer sync (the planner uses diloco()'s defaults): once every `every` steps.
-DILOCO_EVERY = Diloco.every
 
 
 def group_key(k: int, stride: int) -> str:
   return f"{k}@{stride}"
+
+
+def radius_fraction(r: Radius) -> float:
+  """Radius's replica all-reduce over a window of `period` steps, as a fraction of the dense one: one dense
+  select step, then `density` of the values on the others (Radius §4.1)."""
+  return (1 + (r.period - 1) * r.density) / r.period
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,19 +90,32 @@ class Workload:
     return sum(n * calls for n, calls in self.units)
 
 
+def grad_bytes(point: Point, work: Workload) -> int:
+  """r, the bytes of a reduced gradient: the point's `reduce_dtype` where it sets one, else the run's."""
+  dtype = point.reduction.reduce_dtype
+  return jnp.dtype(dtype).itemsize if dtype != Reduction.reduce_dtype else work.grad_bytes
+
+
+def hpz(point: Point, gpus: int) -> bool:
+  """Whether the point's backward gathers stay inside the node: hpZ's secondary shard (`Gather.secondary_axes`,
+  ZeRO++ §3.2) of a parameter group that spans nodes."""
+  return point.gather.secondary_axes is not None and point.s_p > gpus
+
+
 def groups_needed(point: Point, world: int, gpus: int | None = None) -> list[tuple[str, int, int]]:
   """(op, k, stride) of every collective a point runs (k > 1); `gpus` (devices per node) is needed for
   the two-hop collectives of a group that spans nodes (hierarchical gather, hpZ, qgZ, 16-bit reduction)."""
   p, g, os_ = point.s_p, point.s_g, point.s_os
+  gather, red = point.gather, point.reduction
   gpus = gpus or world
   out = []
   if p > 1:
-    out += [("all_gather", p // gpus, gpus), ("all_gather", gpus, 1)] if point.hierarchical and p > gpus else \
+    out += [("all_gather", p // gpus, gpus), ("all_gather", gpus, 1)] if gather.hierarchical and p > gpus else \
         [("all_gather", p, 1)]
-    if point.hpz and p > gpus:
+    if hpz(point, gpus):
       out.append(("all_gather", gpus, 1))
   if g > 1:
-    if point.hop_formats or point.reduce16:
+    if red.quantized or red.gradient_all_to_all:
       out += [("all_to_all", gpus, 1), ("all_to_all", g // gpus, gpus)] if g > gpus else [("all_to_all", g, 1)]
     else:
       out.append(("reduce_scatter", g, 1))
@@ -120,16 +139,19 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
   `spanning_only`, of the collectives whose groups span nodes only.
 
   The techniques change the terms as the executor runs them: qwZ gathers its wire format's bytes per
-  element (`WireFormat.bytes_per_element`: the codes and one fp32 scale per block) per
-  parameter (again in backward unless hpZ); hpZ's backward gathers the parameter dtype inside the node; a
-  hierarchical gather is a gather of v/G across nodes (stride G) and one of v inside the node (MiCS
-  §3.3); qgZ and the 16-bit reduction are the two-hop all-to-all (inside the node, then v/G across
-  nodes; ZeRO++ §3.3) of quantized or 16-bit words; the 16-bit reduction also halves T_os^0 (where the
-  backend reduces 16-bit words: XLA:CPU widens a 16-bit psum to fp32, `widens_16bit`); Radius
-  sends a `density` fraction of the replica all-reduce on all but one step in `period` (Radius §4.1);
-  DiLoCo all-reduces the fp32 outer gradient over the nodes once every `DILOCO_EVERY` steps."""
+  element (`Gather.wire_format`: the codes and one fp32 scale per block) per parameter (again in backward
+  unless hpZ, `Gather.secondary_axes`); hpZ's backward gathers the parameter dtype inside the node; a
+  hierarchical gather (`Gather.hierarchical`) is a gather of v/G across nodes (stride G) and one of v
+  inside the node (MiCS §3.3); qgZ and the 16-bit reduction are the two-hop all-to-all
+  (`Reduction.hop_formats`, `Reduction.gradient_all_to_all`: inside the node, then v/G across nodes;
+  ZeRO++ §3.3) of quantized or 16-bit words; the 16-bit reduction also halves T_os^0 (where the backend
+  reduces 16-bit words: XLA:CPU widens a 16-bit psum to fp32, `widens_16bit`); Radius
+  (`ReplicaSync.replica_sync`) sends a `density` fraction of the replica all-reduce on all but one step in
+  `period` (Radius §4.1); DiLoCo (`ReplicaSync.outer_sync`) all-reduces the fp32 outer gradient over the
+  nodes once every `every` steps."""
   world = profile["mesh"]["nodes"] * profile["mesh"]["gpus"]
   p, g, os_ = point.s_p, point.s_g, point.s_os
+  gather, red, sync = point.gather, point.reduction, point.sync
 
   def t(op, v, k, stride):
     if k <= 1 or (spanning_only and k * stride <= gpus):
@@ -141,8 +163,8 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
                        "this cluster again with `python -m zerojax.planner.profile`")
     return fit["alpha"] + fit["beta"] * v
 
-  def gather(v):
-    if point.hierarchical and p > gpus:
+  def gather_time(v):
+    if gather.hierarchical and p > gpus:
       return t("all_gather", v / gpus, p // gpus, gpus) + t("all_gather", v, gpus, 1)
     return t("all_gather", v, p, 1)
 
@@ -151,27 +173,27 @@ def comm_time(point: Point, work: Workload, profile: dict, gpus: int, *, spannin
       return t("all_to_all", b0 * n, gpus, 1) + t("all_to_all", b1 * n / gpus, g // gpus, gpus)
     return t("all_to_all", b0 * n, g, 1)
 
-  r = 2 if point.reduce16 else work.grad_bytes
+  r = grad_bytes(point, work)
   r_psum = 4 if r == 2 and widens_16bit(profile) else r  # psum / psum_scatter words on the wire
-  wire = point.gather_format.bytes_per_element() if point.gather_format else work.param_bytes
+  wire = gather.wire_format.bytes_per_element() if gather.wire_format else work.param_bytes
   t_p = t_g = 0.0
   for n, calls in work.units:
-    fwd = gather(wire * n)
-    bwd = t("all_gather", work.param_bytes * n, gpus, 1) if point.hpz and p > gpus else fwd
+    fwd = gather_time(wire * n)
+    bwd = t("all_gather", work.param_bytes * n, gpus, 1) if hpz(point, gpus) else fwd
     t_p += work.accum * calls * (fwd + bwd)
-    if point.hop_formats:
-      t_g += work.accum * calls * two_hop(n, *(f.bytes_per_element() for f in point.hop_formats))
-    elif point.reduce16:
-      t_g += work.accum * calls * two_hop(n, 2, 2)
+    if red.hop_formats:
+      t_g += work.accum * calls * two_hop(n, *(f.bytes_per_element() for f in red.hop_formats))
+    elif red.gradient_all_to_all:
+      t_g += work.accum * calls * two_hop(n, r, r)
     else:
       t_g += work.accum * calls * t("reduce_scatter", r_psum * n, g, 1)  # one collective over s_g
   phi = work.numel
-  sync = t("all_reduce", r_psum * phi / os_, world // os_, os_)
-  if point.radius:
-    sync *= RADIUS_PERIOD_FRACTION
-  if point.diloco:  # DiLoCo: the fp32 outer gradient's all-reduce once every DILOCO_EVERY steps, nothing else
-    sync = t("all_reduce", 4 * phi / os_, world // os_, os_) / DILOCO_EVERY
-  t_os0 = t("reduce_scatter", r_psum * phi / g, os_ // g, g) + sync
+  replicas = t("all_reduce", r_psum * phi / os_, world // os_, os_)
+  if sync.replica_sync is not None:
+    replicas *= radius_fraction(sync.replica_sync)
+  if sync.outer_sync is not None:  # DiLoCo: the fp32 outer gradient's all-reduce once every `every` steps, no more
+    replicas = t("all_reduce", 4 * phi / os_, world // os_, os_) / sync.outer_sync.every
+  t_os0 = t("reduce_scatter", r_psum * phi / g, os_ // g, g) + replicas
   t_os1 = t("all_gather", work.param_bytes * phi / p, os_ // p, p)
   total = t_p + t_g + t_os0 + t_os1
   return {"T_p": t_p, "T_g": t_g, "T_os0": t_os0, "T_os1": t_os1, "T_comm": total}
@@ -183,9 +205,9 @@ def quant_elements(point: Point, work: Workload, gpus: int) -> float:
   out = 0.0
   for n, calls in work.units:
     per = 0.0
-    if point.weight_bits and point.s_p > 1:
-      per += n * (1 if point.hpz and point.s_p > gpus else 2)
-    if point.hop_formats and point.s_g > 1:
+    if point.gather.quantized and point.s_p > 1:
+      per += n * (1 if hpz(point, gpus) else 2)
+    if point.reduction.quantized and point.s_g > 1:
       per += 2 * n + (2 * n / gpus if point.s_g > gpus else 0)
     out += work.accum * calls * per
   return out
@@ -208,17 +230,17 @@ def step_time(compute_s: float, comm_s: float, overlap: str = "none") -> float:
 def model_state_bytes(point: Point, work: Workload, gpus: int) -> dict:
   """Per-device bytes of parameters, gradients, master weights + optimizer states (AMSP §IV-D), hpZ's
   secondary shard and Radius's residual (each replica's unsent gradient, fp32, sharded like the
-  parameters); `host` of them in host memory (`Point.offload`), `total` the device's with activations."""
+  parameters); `host` of them in host memory (`Sharding.offload`), `total` the device's with activations."""
   phi = work.numel
   out = {"params": work.param_bytes * phi // point.s_p,
-         "grads": (2 if point.reduce16 else work.grad_bytes) * phi // point.s_g,
+         "grads": grad_bytes(point, work) * phi // point.s_g,
          "optimizer": (4 + work.opt_bytes_per_param) * phi // point.s_os,
-         "hpz_secondary": work.param_bytes * phi // gpus if point.hpz and point.s_p > gpus else 0,
-         "radius_residual": 4 * phi // point.s_p if point.radius else 0}
+         "hpz_secondary": work.param_bytes * phi // gpus if hpz(point, gpus) else 0,
+         "radius_residual": 4 * phi // point.s_p if point.sync.replica_sync is not None else 0}
   out["model_state"] = sum(out.values())
   # Offload (`Sharding.offload`): master weights and optimizer states in host memory; the cap counts the
   # device's bytes only.
-  out["host"] = out["optimizer"] if point.offload else 0
+  out["host"] = out["optimizer"] if point.sharding.offload else 0
   out["total"] = out["model_state"] - out["host"] + work.activation_bytes
   return out
 
@@ -229,6 +251,6 @@ def offload_time(point: Point, work: Workload) -> float:
   update but its fetch (a kernel reading host memory) runs beside neither, so the two directions are
   priced one after the other. At the measured 54 GB/s each way this is what the GPU kit's
   `offload_cost.json` measures."""
-  if not point.offload:
+  if not point.sharding.offload:
     return 0.0
   return 2 * (4 + work.opt_bytes_per_param) * work.numel / point.s_os / work.host_link_bytes_per_s

@@ -20,7 +20,7 @@ import numpy as np
 from zerojax import mesh as mesh_lib
 from zerojax.planner import agree, trial
 from zerojax.planner.cost import Workload, comm_time, model_state_bytes, offload_time, quant_time, step_time
-from zerojax.planner.space import Point, grad_options, param_options, plan_space
+from zerojax.planner.space import COLUMNS, Point, grad_options, param_options, plan_space
 
 
 class PlanError(ValueError):
@@ -52,19 +52,14 @@ def workload(executor, compute_s: float = 0.0, activation_bytes: int = 0) -> Wor
                   np.dtype(executor.plan.reduction.reduce_dtype).itemsize)
 
 
-TECHNIQUES = ("weight_bits", "hpz", "hierarchical", "grad_bits", "grad_format", "reduce16", "radius", "offload",
-              "diloco")
-
-
 def _row(pt: Point, nodes: int, gpus: int, work: Workload, profile: dict, c: float, c0: float, act: int,
          uniform: bool, overlap: str, cap: float | None) -> dict:
   full = comm_time(pt, work, profile, gpus)
   times = full if uniform else comm_time(pt, work, profile, gpus, spanning_only=True)
   q = quant_time(pt, work, gpus)
   mem = model_state_bytes(pt, dataclasses.replace(work, activation_bytes=act), gpus)
-  tech = {k: getattr(pt, k) for k in TECHNIQUES}
   t_off = offload_time(pt, work)
-  return {"plan": pt.name(nodes * gpus), "s_p": pt.s_p, "s_g": pt.s_g, "s_os": pt.s_os, **tech, **times,
+  return {"plan": pt.name(nodes * gpus), "s_p": pt.s_p, "s_g": pt.s_g, "s_os": pt.s_os, **pt.columns(), **times,
           "T_quant": q, "T_offload": t_off, "compute_s": c,
           "T_step": step_time(c + q, times["T_comm"], overlap) + t_off,
           "T_step_uniform": c0 + q + full["T_comm"] + t_off, "bytes_per_device": mem["total"],
@@ -97,7 +92,7 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
   combinations' front is ranked: what is left out is slower and no smaller than a row that is kept.
 
   With `memory_cap_bytes`, every point over the cap is ranked a second time with its master weights and
-  optimizer states in host memory (`Point.offload`): only the device's bytes count against the cap, and
+  optimizer states in host memory (`offload=True`): only the device's bytes count against the cap, and
   the step pays `cost.offload_time`.
 
   `compute` is `planner.compute.per_plan`'s table over the degree points (None: `work.compute_s` for
@@ -118,20 +113,19 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
     if not techniques:
       rows.append(row(base))
       if memory_cap_bytes is not None and not rows[-1]["fits"]:
-        rows.append(row(dataclasses.replace(base, offload=True)))
+        rows.append(row(base.with_(offload=True)))
       continue
-    params = [dataclasses.replace(base, **o) for o in param_options(base, gpus, lossy)]
-    grads = [dataclasses.replace(base, **o) for o in grad_options(base, world, gpus, lossy)]
+    params = [base.with_(**o) for o in param_options(base, world, gpus, lossy)]
+    grads = [base.with_(**o) for o in grad_options(base, world, gpus, lossy)]
     if prune:
       params = [point_of(r) for r in pareto([row(p) for p in params])]
       grads = [point_of(r) for r in pareto([row(g) for g in grads])]
-    grad_fields = ("grad_bits", "grad_format", "reduce16", "radius", "diloco")
-    combos = [row(dataclasses.replace(p, **{k: getattr(g, k) for k in grad_fields})) for p in params for g in grads]
+    combos = [row(p.with_(g.settings)) for p in params for g in grads]
     kept = pareto(combos) if prune else combos
     have = {point_of(r) for r in kept}
     kept += [row(pt) for pt in keep if pt.base == base and pt not in have]
     # Under a memory cap, each point over it is also ranked with its states in host memory (offload).
-    rows += kept + [row(dataclasses.replace(point_of(r), offload=True)) for r in kept
+    rows += kept + [row(point_of(r).with_(offload=True)) for r in kept
                     if memory_cap_bytes is not None and not r["fits"]]
   return sorted(rows, key=lambda r: (r["T_step"], r["bytes_per_device"], r["plan"]))
 
@@ -163,11 +157,9 @@ def why(rows: list[dict], best: dict, memory_cap_gb: float | None = None) -> str
 
 
 def point_of(row: dict) -> Point:
-  """The point of a ranked row (also of a row read back from JSON)."""
-  tech = {k: row.get(k, Point.__dataclass_fields__[k].default) for k in TECHNIQUES}
-  if isinstance(tech["grad_bits"], list):
-    tech["grad_bits"] = tuple(tech["grad_bits"])
-  return Point(row["s_p"], row["s_g"], row["s_os"], **tech)
+  """The point of a ranked row (also of a row read back from JSON): its degrees and its techniques'
+  columns (`space.COLUMNS`)."""
+  return Point(row["s_p"], row["s_g"], row["s_os"], **{k: row[k] for k in COLUMNS if k in row})
 
 
 def render(rows: list[dict], chosen: dict | None = None) -> str:

@@ -9,21 +9,31 @@ group may take s^0 < G devices of each of s^1 nodes, and 128 x 8 has 688 points 
 ZeRO-1/2/3 and MiCS of every group size are Eq. 7 points. The executor and the profile run groups of
 consecutive ranks, so the points outside Eq. 7 are enumerated (to count and inspect them) but not planned.
 
-With `techniques=True` every degree point also comes with every technique a user could name on it:
+With `techniques=True` every degree point also comes with every technique a user could name on it (one
+entry each in `TECHNIQUES`, the enumeration):
 
   parameters  (s_p > 1)  qwZ 8 bits (ZeRO++ §3.1; 4 bits only with `lossy`), hpZ with the secondary
                          shard in the node (§3.2, when s_p spans nodes), a flat or a hierarchical gather
                          (MiCS §3.3, when s_p spans nodes)
   gradients   (s_g > 1)  qgZ 8 or 4 bits, and per hop (8 in the node, 4 across nodes; ZeRO++ §3.3,
-                         SDP4Bit §3.2) when s_g spans nodes
+                         SDP4Bit §3.2) when s_g spans nodes, or float8 hops (FP8-LM §2.1)
   reduction              16-bit gradients (`reduce_dtype = bfloat16`, DeepSpeed's ZeRO-3 default and
                          ZeRO++'s baseline), or fp32
-  replicas    (s_os < N G) Radius's sparse replica sync (Radius §4), only with `lossy`
+  replicas    (s_os < N G) Radius's sparse replica sync (Radius §4), or DiLoCo's outer sync across nodes
+                         (MiCS with one node per group), only with `lossy`
+  memory                 master weights and optimizer states in host memory (`Sharding.offload`), ranked
+                         by the solver for a point over the memory cap
 
 qwZ int8 and qgZ int4 are ZeRO++ as published (trained to the baseline's loss, ZeRO++ §5.3) and count
-as not lossy; int4 weights and Radius's top-k change what is trained by more than that and are taken
-only when the user allows it. `named(nodes, gpus)` maps every plan a user picks by name (the gin configs
-in `configs/`) to its point.
+as not lossy; int4 weights, Radius's top-k and DiLoCo change what is trained by more than that and are
+taken only when the user allows it. `named(nodes, gpus)` maps every plan a user picks by name (the gin
+configs in `configs/`) to its point.
+
+A point is its degrees and the `Plan` settings its techniques change (`Point.settings`), nothing else: a
+technique is the settings it sets (hpZ: `secondary_axes=("gpu",)`; Radius: `replica_sync=radius()`), the
+cost model (`planner.cost`) reads it from the plan value that owns the setting (`point.gather.weight_bits`,
+`point.sync.replica_sync`), and the ranked rows spell it as a column (`hpz=True`, `weight_bits=8`;
+`COLUMNS`), as `Point(...)` also takes it. Adding a technique to the space is one entry in `TECHNIQUES`.
 
 A plan has one label (`label`, the name the trainer's log and summary and the CLI show): its sharding,
 then each technique that changes what is computed or what goes on the wire, e.g.
@@ -41,13 +51,15 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+from collections.abc import Callable
 
 from zerojax import mesh as mesh_lib
 from zerojax.comm import formats
 from zerojax.mesh import AXES
 from zerojax.plan import Diloco, Plan, diloco, radius
-from zerojax.plan_values import Reduction
+from zerojax.plan_values import Gather, Reduction, ReplicaSync, Sharding
 
 BLOCK = 256  # elements per qwZ/qgZ quantization block (the Plan defaults)
 OFFLOAD = ("opt_state", "master")  # what a point with `offload` keeps in host memory (`Sharding.offload`)
@@ -176,53 +188,154 @@ def degrees(nodes: int, gpus: int) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Point:
-  """One point of the space: shard degrees, the techniques on them, and for a point outside Eq. 7 the
-  in-node parts (s_p^0, s_g^0, s_os^0) of its degrees (None: s^0 = min(s, G)).
+class Technique:
+  """One entry of the space's enumeration (AMSP §IV-B: a choice on top of the shard degrees).
 
-  Techniques: `weight_bits` qwZ (None, 8, 4); `hpz` hpZ's in-node secondary shard; `hierarchical` the
-  MiCS gather for a parameter group that spans nodes (False: flat); `grad_bits` qgZ (None, 8, 4, or
-  (intra, inter) per hop), or `grad_format` qgZ's hops in a named wire format ("float8_e4m3fn");
-  `reduce16` 16-bit gradient reduction; `radius` Radius's replica sync; `diloco` DiLoCo's outer sync
-  across nodes (`diloco()`'s defaults; MiCS with one node per group); `offload` the master weights and
-  optimizer states in host memory (`Sharding.offload`: device memory for host-link time)."""
+  `settings` are the `Plan` settings it sets, by name (None: `{column: value}`); `slot` what it fills (the
+  techniques of one slot exclude each other: one gather format, one reduction, one replica sync); `side`
+  where the solver ranks it (`param_options` and `grad_options` are Pareto-pruned apart, `solve.rank`;
+  "memory": added by the solver under a memory cap); `applies(point, world, gpus)` the degree points it is
+  enumerated on; `lossy` whether it changes what is trained by more than ZeRO++ as published (ZeRO++
+  §5.3), ranked only with `auto.lossy = True`. A ranked row and `Point(...)` spell it `column=value`
+  (`hpz=True`, `weight_bits=8`); the column's off value (`off`) leaves it out."""
+  column: str
+  value: object
+  side: str
+  slot: str
+  applies: Callable[[Point, int, int], bool]
+  settings: dict | None = None
+  lossy: bool = False
+
+  def __post_init__(self):
+    if self.settings is None:
+      object.__setattr__(self, "settings", {self.column: self.value})
+
+  @property
+  def off(self):
+    """The column's value without the technique: False for an on/off technique, else None."""
+    return False if self.value is True else None
+
+
+_always = lambda pt, world, gpus: True
+_params = lambda pt, world, gpus: pt.s_p > 1
+_params_span = lambda pt, world, gpus: pt.s_p > gpus  # the parameter group spans nodes
+_grads = lambda pt, world, gpus: pt.s_g > 1
+_replicas = lambda pt, world, gpus: pt.s_os < world
+_node_groups = lambda pt, world, gpus: pt.s_os == gpus < world and pt.intra is None  # MiCS, one node per group
+
+# The techniques of the space (AMSP §V-B enumerates them with the degrees): `with_techniques` takes one or
+# none of each slot, in this order. A technique is one entry here; `cost` prices it from the plan values
+# its settings change (`point.gather`, `point.reduction`, `point.sync`, `point.sharding`).
+TECHNIQUES = (
+  # parameters: qwZ (ZeRO++ §3.1), hpZ's secondary shard in the node (§3.2), MiCS §3.3's hierarchical gather
+  Technique("weight_bits", 8, "params", "gather", _params),
+  Technique("weight_bits", 4, "params", "gather", _params, lossy=True),
+  Technique("hpz", True, "params", "hpz", _params_span, {"secondary_axes": ("gpu",)}),
+  Technique("hierarchical", True, "params", "hierarchical", _params_span),
+  # gradients: qgZ, per hop across nodes (ZeRO++ §3.3, SDP4Bit §3.2), float8 hops (FP8-LM §2.1), or the
+  # 16-bit reduction (DeepSpeed's ZeRO-3 default, ZeRO++'s baseline); qgZ is its own reduction
+  Technique("grad_bits", 8, "grads", "reduction", _grads),
+  Technique("grad_bits", 4, "grads", "reduction", _grads),
+  Technique("grad_bits", (8, 4), "grads", "reduction", lambda pt, world, gpus: pt.s_g > gpus),
+  Technique("grad_format", "float8_e4m3fn", "grads", "reduction", _grads),
+  Technique("reduce16", True, "grads", "reduction", _always, {"reduce_dtype": "bfloat16"}),
+  # replicas: Radius's sparse sync (Radius §4), DiLoCo's outer sync across nodes (diloco()'s defaults)
+  Technique("radius", True, "grads", "replicas", _replicas, {"replica_sync": radius()}, lossy=True),
+  Technique("diloco", True, "grads", "replicas", _node_groups, {"outer_sync": diloco()}, lossy=True),
+  # memory: master weights and optimizer states in host memory (`Sharding.offload`), under a memory cap
+  Technique("offload", True, "memory", "offload", _always, {"offload": OFFLOAD}),
+)
+COLUMNS = {t.column: t.off for t in TECHNIQUES}  # a ranked row's technique columns and their off values
+_BY_COLUMN = {(t.column, t.value): t.settings for t in TECHNIQUES}
+_OFF = {c: {k: DEFAULTS[k] for t in TECHNIQUES if t.column == c for k in t.settings} for c in COLUMNS}
+
+
+def _settings_of(name: str, value) -> dict:
+  """The plan settings a `Point(...)` keyword stands for: a technique (`hpz=True`, `weight_bits=8`), a
+  technique column off (`hpz=False`, `weight_bits=None`: its settings at their defaults), or a plan setting
+  (`secondary_axes=("gpu",)`)."""
+  value = tuple(value) if isinstance(value, list) else value  # a row read back from JSON
+  if (name, value) in _BY_COLUMN:
+    return _BY_COLUMN[name, value]
+  if name in COLUMNS and value == COLUMNS[name]:
+    return _OFF[name]
+  if name in DEFAULTS:
+    return {name: value}
+  raise TypeError(f"Point: {name}={value!r} is neither a technique ({', '.join(COLUMNS)}) nor a plan setting")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Point:
+  """One point of the space (AMSP §IV-B): shard degrees, the plan settings its techniques change, and for
+  a point outside Eq. 7 the in-node parts (s_p^0, s_g^0, s_os^0) of its degrees (None: s^0 = min(s, G)).
+
+  `settings` holds `(name, value)` of each `Plan` setting other than its default, by name (the constructor
+  takes them as a mapping or pairs). `Point(8, 8, 8, weight_bits=8, hpz=True)` takes each technique as a
+  ranked row spells it (`TECHNIQUES`) or a plan setting (`secondary_axes=("gpu",)`). What a technique does is read from the plan value that owns its setting:
+  `point.gather` (qwZ, hpZ, the hierarchical gather), `point.reduction` (qgZ, the 16-bit reduction),
+  `point.sync` (Radius, DiLoCo), `point.sharding` (offload)."""
   s_p: int
   s_g: int
   s_os: int
-  weight_bits: int | None = None
-  hpz: bool = False
-  hierarchical: bool = False
-  grad_bits: int | tuple[int, int] | None = None
-  reduce16: bool = False
-  radius: bool = False
-  intra: tuple[int, int, int] | None = None
-  grad_format: str | None = None
-  offload: bool = False
-  diloco: bool = False
+  settings: tuple[tuple[str, object], ...]
+  intra: tuple[int, int, int] | None
+
+  def __init__(self, s_p: int, s_g: int, s_os: int, settings=(), intra: tuple[int, int, int] | None = None,
+               **techniques):
+    out = dict(settings)
+    for name, value in techniques.items():
+      out.update(_settings_of(name, value))
+    unknown = sorted(set(out) - set(DEFAULTS))
+    if unknown:
+      raise TypeError(f"Point: {unknown[0]!r} is not a plan setting")
+    for f, v in (("s_p", s_p), ("s_g", s_g), ("s_os", s_os), ("intra", intra)):
+      object.__setattr__(self, f, v)
+    object.__setattr__(self, "settings", tuple(sorted(((k, v) for k, v in out.items() if v != DEFAULTS[k]),
+                                                      key=lambda kv: kv[0])))
+
+  @property
+  def sharding(self) -> Sharding:
+    """Where the point shards its model states: its degrees as group sizes, and `offload`."""
+    return _sharding(_values(self.settings).sharding, self.s_p, self.s_g, self.s_os)
+
+  @property
+  def gather(self) -> Gather:
+    return _values(self.settings).gather
+
+  @property
+  def reduction(self) -> Reduction:
+    return _values(self.settings).reduction
+
+  @property
+  def sync(self) -> ReplicaSync:
+    return _values(self.settings).sync
 
   @property
   def base(self) -> Point:
     """The same degrees with no technique."""
     return Point(self.s_p, self.s_g, self.s_os, intra=self.intra)
 
+  def with_(self, settings=(), **techniques) -> Point:
+    """The same degrees with these plan settings and techniques (as `Point(...)` takes them) set too."""
+    return Point(self.s_p, self.s_g, self.s_os, {**dict(self.settings), **dict(settings)}, self.intra, **techniques)
+
+  def techniques(self) -> list[Technique]:
+    """The entries of `TECHNIQUES` whose plan settings the point's include."""
+    own = {**DEFAULTS, **dict(self.settings)}
+    return [t for t in TECHNIQUES if all(own[k] == v for k, v in t.settings.items())]
+
+  def columns(self) -> dict:
+    """The point's techniques as a ranked row spells them (`COLUMNS`), e.g. weight_bits 8, hpz True."""
+    return {**COLUMNS, **{t.column: t.value for t in self.techniques()}}
+
   @property
   def quantized(self) -> bool:
-    return bool(self.weight_bits or self.grad_bits or self.grad_format)
-
-  @property
-  def gather_format(self) -> formats.WireFormat | None:
-    """qwZ's wire format (None: the parameters' dtype)."""
-    return formats.integer(self.weight_bits, BLOCK)
-
-  @property
-  def hop_formats(self) -> tuple[formats.WireFormat, formats.WireFormat] | None:
-    """qgZ's wire format per hop, (intra-node, inter-node); None without qgZ."""
-    return formats.hops(self.grad_bits, self.grad_format, BLOCK)
+    return self.gather.quantized or self.reduction.quantized
 
   @property
   def lossy(self) -> bool:
-    """int4 weights, Radius or DiLoCo: allowed only with `auto.lossy = True`."""
-    return self.weight_bits == 4 or self.radius or self.diloco
+    """int4 weights, Radius or DiLoCo (the `lossy` techniques): allowed only with `auto.lossy = True`."""
+    return any(t.lossy for t in self.techniques())
 
   def meshes(self, gpus: int) -> tuple[tuple[int, int], ...]:
     """((s_p^0, s_p^1), (s_g^0, s_g^1), (s_os^0, s_os^1))."""
@@ -236,30 +349,13 @@ class Point:
     if self.intra is not None:
       (p0, p1), (g0, g1), (o0, o1) = self.meshes(gpus=0)  # gpus unused: intra is given
       return f"amsp-p{p0}x{p1}-g{g0}x{g1}-os{o0}x{o1}" + self.suffix()
-    if self == Point(world, world, world, weight_bits=8, hpz=True, grad_bits=4):
+    if self.s_p == self.s_g == self.s_os == world and self.settings == ZEROPP.settings:
       return "zeropp"  # ZeRO++ as published (`zerojax.plan.zeropp`, configs/zeropp.gin)
     return sharding_names(self.s_p, self.s_g, self.s_os, world)[1] + self.suffix()
 
   def suffix(self) -> str:
     """The techniques' part of the id, e.g. "+hier+qwz8+hpz+qgz8-4+radius"."""
-    return "".join(f"+{short}" for _, short in technique_names({**DEFAULTS, **self._fields()}))
-
-  def _fields(self) -> dict:
-    """The plan settings of the point's techniques."""
-    kw = dict(hierarchical=self.hierarchical, weight_bits=self.weight_bits, grad_bits=self.grad_bits)
-    if self.grad_format:
-      kw["grad_format"] = self.grad_format
-    if self.hpz:
-      kw["secondary_axes"] = ("gpu",)  # hpZ: the backward gather stays inside the node
-    if self.reduce16:
-      kw["reduce_dtype"] = "bfloat16"
-    if self.radius:
-      kw["replica_sync"] = radius()
-    if self.offload:
-      kw["offload"] = OFFLOAD
-    if self.diloco:
-      kw["outer_sync"] = diloco()
-    return kw
+    return "".join(f"+{short}" for _, short in technique_names({**DEFAULTS, **dict(self.settings)}))
 
   def plan(self, nodes: int, gpus: int, **fields) -> Plan:
     """The executor's plan for this point (groups named by size; the executor factors the mesh)."""
@@ -267,38 +363,53 @@ class Point:
       raise ValueError(f"point {self.name(nodes * gpus)} breaks AMSP's node-spanning rule (Eq. 7); the executor "
                        "runs groups of consecutive devices only: use plan_space(..., eq7=True)")
     return Plan(name=self.name(nodes * gpus), param_axes=self.s_p, grad_axes=self.s_g, opt_axes=self.s_os,
-                **{**self._fields(), **fields})
+                **{**dict(self.settings), **fields})
 
 
-def param_options(pt: Point, gpus: int, lossy: bool = False) -> list[dict]:
+ZEROPP = Point(1, 1, 1, weight_bits=8, hpz=True, grad_bits=4)  # ZeRO++'s techniques, as published
+
+
+@functools.lru_cache(maxsize=None)
+def _values(settings: tuple) -> Plan:
+  """The plan of a point's settings, built once per settings: its gather, reduction and replica sync do not
+  depend on the degrees (`Point.sharding` puts them in)."""
+  return Plan("point", **dict(settings))
+
+
+@functools.lru_cache(maxsize=None)
+def _sharding(base: Sharding, s_p: int, s_g: int, s_os: int) -> Sharding:
+  return dataclasses.replace(base, param_axes=s_p, grad_axes=s_g, opt_axes=s_os)
+
+
+def options(pt: Point, world: int, gpus: int, lossy: bool, side: str) -> list[dict]:
+  """Every combination of `side`'s techniques that `pt`'s degrees may use, one or none per slot, in the
+  order of `TECHNIQUES` (the first: none), each as a ranked row spells it (`Point.columns`)."""
+  slots, off = {}, {}
+  for t in TECHNIQUES:
+    if t.side == side:
+      slots.setdefault(t.slot, [None])
+      off[t.column] = t.off
+      if (lossy or not t.lossy) and t.applies(pt, world, gpus):
+        slots[t.slot].append(t)
+  return [{**off, **{t.column: t.value for t in combo if t}} for combo in itertools.product(*slots.values())]
+
+
+def param_options(pt: Point, world: int, gpus: int, lossy: bool = False) -> list[dict]:
   """The parameter techniques a point with these degrees may use: qwZ bits x hpZ x gather."""
-  if pt.s_p == 1:
-    return [{}]
-  spans = pt.s_p > gpus
-  bits = (None, 8, 4) if lossy else (None, 8)
-  return [dict(weight_bits=b, hpz=h, hierarchical=hier) for b in bits for h in ((False, True) if spans else (False,))
-          for hier in ((False, True) if spans else (False,))]
+  return options(pt, world, gpus, lossy, "params")
 
 
 def grad_options(pt: Point, world: int, gpus: int, lossy: bool = False) -> list[dict]:
   """The gradient techniques: fp32, qgZ (int8, int4, per hop when s_g spans nodes, or float8 hops) or a
-  16-bit reduction, each with or without Radius."""
-  bits = [8, 4] + ([(8, 4)] if pt.s_g > gpus else []) if pt.s_g > 1 else []
-  qgz = [dict(grad_bits=b) for b in bits] + ([dict(grad_format="float8_e4m3fn")] if pt.s_g > 1 else [])
-  rad = (False, True) if lossy and pt.s_os < world else (False,)
-  reductions = [{}] + qgz + [dict(reduce16=True)]  # qgZ is its own reduction: no 16-bit with it
-  plain = dict(grad_bits=None, grad_format=None, reduce16=False, diloco=False)
-  out = [{**plain, **red, "radius": r} for red in reductions for r in rad]
-  if lossy and pt.s_os == gpus < world and pt.intra is None:  # DiLoCo over MiCS with one node per group
-    out += [{**plain, **red, "radius": False, "diloco": True} for red in reductions]
-  return out
+  16-bit reduction, each with a dense replica sync or (with `lossy`) Radius's, or DiLoCo's."""
+  return options(pt, world, gpus, lossy, "grads")
 
 
 def with_techniques(pt: Point, nodes: int, gpus: int, lossy: bool = False) -> list[Point]:
   """Every point with `pt`'s degrees and the techniques it may use (the first is `pt` itself)."""
   world = nodes * gpus
-  return [dataclasses.replace(pt, **a, **b) for a, b in
-          itertools.product(param_options(pt, gpus, lossy), grad_options(pt, world, gpus, lossy))]
+  return [pt.with_(**a, **b) for a, b in
+          itertools.product(param_options(pt, world, gpus, lossy), grad_options(pt, world, gpus, lossy))]
 
 
 def plan_space(nodes: int, gpus: int, *, techniques: bool = False, lossy: bool = False,
@@ -327,18 +438,16 @@ def named(nodes: int, gpus: int) -> dict[str, Point]:
   world, spans = nodes * gpus, nodes > 1
   z3 = Point(world, world, world)
   out = {"dp": Point(1, 1, 1), "zero1": Point(1, 1, world), "zero2": Point(1, world, world), "zero3": z3,
-         "zero3_bf16grad": dataclasses.replace(z3, reduce16=True),
-         "zeropp": dataclasses.replace(z3, weight_bits=8, hpz=spans, grad_bits=4),
-         "zeropp_int4": dataclasses.replace(z3, weight_bits=4, hpz=spans, grad_bits=(8, 4) if spans else 8),
-         "qwz": dataclasses.replace(z3, weight_bits=8), "qgz": dataclasses.replace(z3, grad_bits=4),
+         "zero3_bf16grad": z3.with_(reduce16=True), "zeropp": z3.with_(weight_bits=8, hpz=spans, grad_bits=4),
+         "zeropp_int4": z3.with_(weight_bits=4, hpz=spans, grad_bits=(8, 4) if spans else 8),
+         "qwz": z3.with_(weight_bits=8), "qgz": z3.with_(grad_bits=4),
          "mics": Point(gpus, gpus, gpus), "mics_qwz": Point(gpus, gpus, gpus, weight_bits=8),
          "mics_radius": Point(gpus, gpus, gpus, radius=True)}
   if spans:
-    out["hpz"] = dataclasses.replace(z3, hpz=True)
+    out["hpz"] = z3.with_(hpz=True)
   if nodes % 2 == 0 and spans:
     two = Point(2 * gpus, 2 * gpus, 2 * gpus, hierarchical=True)
-    out.update(mics_2node=two, mics_hpz=dataclasses.replace(two, hpz=True),
-               mics_qgz=dataclasses.replace(two, grad_bits=8))
+    out.update(mics_2node=two, mics_hpz=two.with_(hpz=True), mics_qgz=two.with_(grad_bits=8))
   return out
 
 
