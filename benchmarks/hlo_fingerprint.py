@@ -52,7 +52,7 @@ def fingerprints() -> dict:
     seq = gin.query_parameter("model_config.seq_len")
     batch = ex.shard_batch(np.zeros((args["accum_steps"], args["batch_size"], seq + 1), np.int32))
     state = ex.init(jax.random.key(0))
-    phases = ["dense"] + list(next((c.phases for c in ex.stateful.values() if c.phases), ()))
+    phases = ["dense"] + list(next((c.phases for c in ex.stateful.values() if getattr(c, "phases", ())), ()))
     out[config] = {}
     for phase in phases:
       text = normalize(ex.step_fn().lower(state, batch, phase=phase).compile().as_text())

@@ -87,7 +87,7 @@ def test_replicas_and_outer_update_match_plain_jax(outer, steps):
     got = ex.to_user(jax.tree.map(lambda x, l: zerojax.layout.unflatten_leaf(x[r], l), state.params,
                                   ex.layout.tree()))
     assert helpers.max_rel_diff(got, want) < 1e-5, r
-  got_outer = jax.tree.map(zerojax.layout.unflatten_leaf, state.outer.params, ex.layout.tree())
+  got_outer = jax.tree.map(zerojax.layout.unflatten_leaf, state.stateful["outer"].params, ex.layout.tree())
   assert helpers.max_rel_diff(ex.to_user(got_outer), outer_ref) < 1e-5
 
 
@@ -140,7 +140,7 @@ def test_quantized_outer_gradients_stay_within_their_bound(bits, bound):
   p = np.asarray(q.params["blocks"]["fc"]["kernel"])
   assert np.array_equal(p[0], p[1])
   ex0, init, _, _ = run(plans.diloco(every=2), helpers.optimizer("sgd"), 0)
-  logical = lambda s: jax.tree.map(zerojax.layout.unflatten_leaf, s.outer.params, ex0.layout.tree())
+  logical = lambda s: jax.tree.map(zerojax.layout.unflatten_leaf, s.stateful["outer"].params, ex0.layout.tree())
   moved = lambda s: jax.tree.map(lambda a, b: a - b, logical(s), logical(init))
   assert 0 < helpers.rel_l2(moved(q), moved(fp32)) < bound
 

@@ -199,8 +199,8 @@ def test_int4_combination_tracks_jax_grad_better_than_plain_int4():
   assert e_fed < 0.06 and e_fed < e_plain / 3, (e_fed, e_plain)
   # the errors are train state: they survive the stored (logical) form bitwise
   back = state_spec.state_from_logical(ex, state_spec.logical_state(ex, state))
-  for a, b in zip(jax.tree.leaves(back.grad_error), jax.tree.leaves(state.grad_error)):
+  for a, b in zip(jax.tree.leaves(back.stateful["grad_error"]), jax.tree.leaves(state.stateful["grad_error"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert any(float(jnp.abs(e).max()) > 0 for e in jax.tree.leaves(state.grad_error))
+  assert any(float(jnp.abs(e).max()) > 0 for e in jax.tree.leaves(state.stateful["grad_error"]))
   rep = memory_report(ex, state)
   assert rep["measured"]["grad_error"] == rep["expected"]["grad_error"] > 0

@@ -58,6 +58,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.golden_configs import CONFIGS, GOLDEN, PREFETCH, build  # noqa: E402
+from zerojax.train_state import STATEFUL  # noqa: E402
 
 # The fast suite runs ZeRO-3 in the prefetch order, which also checks its losses against the per-layer
 # golden values (`REASSOCIATION`); every other config and order is a regression guard of the full suite.
@@ -135,7 +136,9 @@ def run(config: str, prefetch: bool = False) -> dict:
     steps.append({"program": phase, "loss": f32(loss), "grad_norm": f32(norm), "finite": bool(np.all(m.finite))})
   assert not ex.prefetch_fallbacks()  # the GPT's units run the order asked for
   params = jax.tree_util.tree_leaves_with_path(ex.logical_params(state))
-  rest = {f.name: getattr(state, f.name) for f in state.__dataclass_fields__.values() if f.name != "params"}
+  rest = {f.name: getattr(state, f.name) for f in state.__dataclass_fields__.values()
+          if f.name not in ("params", "stateful")}
+  rest.update({kind.name: state.stateful.get(kind.name) for kind in STATEFUL})  # each component's, by its name
   return {
       "config": config, "plan": ex.plan.name, "steps": steps,
       "params": {jax.tree_util.keystr(p): {"sha256": digest(x), "sum": float(np.sum(np.asarray(x, np.float64)))}

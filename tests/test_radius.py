@@ -91,7 +91,7 @@ def reference_radius(model, opt, params, batches, *, layout, replicas, shards, r
 def executor_masks(ex, state) -> list[np.ndarray]:
   shards = math.prod(ex.mesh.shape[a] for a in ex.plan.sharding.opt_order)
   return [np.asarray(comm.radius.indices_to_mask(jnp.asarray(np.asarray(i)), l.padded // shards, shards))
-          for i, l in zip(jax.tree.leaves(state.radius.indices), ex.layout.leaves)]
+          for i, l in zip(jax.tree.leaves(state.stateful["radius"].indices), ex.layout.leaves)]
 
 
 def run_radius(plan, mesh, opt, batches, accum=2, params=None):
@@ -103,7 +103,7 @@ def run_radius(plan, mesh, opt, batches, accum=2, params=None):
   for b in batches:
     phase = ex.phase(state)
     state, m = step(state, jax.device_put(b, ex.batch_sharding))
-    radius = state.radius
+    radius = state.stateful["radius"]
     out.append((phase, jax.tree.map(np.asarray, ex.logical_params(state)),
                 [np.asarray(r) for r in jax.tree.leaves(radius.residual)] if radius else None,
                 executor_masks(ex, state) if radius else None, float(m.loss)))
@@ -153,7 +153,7 @@ def test_replicas_hold_bitwise_equal_weights_and_indices(against_reference):
   _, ex, state, _, _ = against_reference
   mem = memory_report(ex, state)
   assert mem["measured"]["radius"] == mem["expected"]["radius"] >= mem["expected"]["master"]
-  for x in jax.tree.leaves((state.params, state.opt_state, state.radius.indices)):
+  for x in jax.tree.leaves((state.params, state.opt_state, state.stateful["radius"].indices)):
     by_index = {}
     for sh in x.addressable_shards:
       by_index.setdefault(str(sh.index), []).append(np.asarray(sh.data))
@@ -267,7 +267,7 @@ def test_residual_conservation_over_a_window():
     phases.append(ex.phase(state))
     state, _ = step(state, jax.device_put(batch, ex.batch_sharding))
     sent.append([np.asarray(g) for g in jax.tree.leaves(state.opt_state)])  # the gradient the optimizer got
-    residual.append([np.asarray(r) for r in jax.tree.leaves(state.radius.residual)])
+    residual.append([np.asarray(r) for r in jax.tree.leaves(state.stateful["radius"].residual)])
   assert phases == ["select", "sparse", "sparse", "sparse", "select"]
   masks = executor_masks(ex, state)
   close = lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * max(float(np.abs(b).max()), 1e-30))
@@ -329,7 +329,7 @@ def test_resume_mid_window_is_bitwise(saved_mid_window):
                                                            "radius/indices/blocks/fc/kernel"}
   assert want["radius/indices/blocks/fc/kernel"].dtype == bool and want["radius/residual/blocks/fc/kernel"].shape == (
       2, 2, 32, 128)
-  assert ex.phase(state) == "sparse" and int(state.radius.selected_at) == 1
+  assert ex.phase(state) == "sparse" and int(state.stateful["radius"].selected_at) == 1
   step = ex.step_fn()
   for b in batches[3:]:
     state, _ = step(state, b)
@@ -372,8 +372,8 @@ def test_checkpoints_with_and_without_radius(saved_mid_window, tmp_path):
     assert c.save(dense, dense.init(jax.random.key(0)).replace(step=jnp.int32(2)))
   ex = ckpt_executor(PLANS["mics4"][0](RADIUS), mesh)
   state = restore(ex, str(tmp_path))
-  assert int(state.radius.selected_at) == -1 and ex.phase(state) == "select"
-  assert all(float(jnp.abs(r).max()) == 0 for r in jax.tree.leaves(state.radius.residual))
+  assert int(state.stateful["radius"].selected_at) == -1 and ex.phase(state) == "select"
+  assert all(float(jnp.abs(r).max()) == 0 for r in jax.tree.leaves(state.stateful["radius"].residual))
 
 
 # -- configuration -----------------------------------------------------------------------------------

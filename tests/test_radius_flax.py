@@ -113,8 +113,8 @@ def test_each_leaf_selects_its_own_k(sparse_run):
   assert len({k for _, _, k in want.values()}) >= 5
   user_order = list(want)
   got = {}
-  residual = dict(jax.tree_util.tree_leaves_with_path(state.radius.residual))
-  for path, idx in jax.tree_util.tree_leaves_with_path(state.radius.indices):
+  residual = dict(jax.tree_util.tree_leaves_with_path(state.stateful["radius"].residual))
+  for path, idx in jax.tree_util.tree_leaves_with_path(state.stateful["radius"].indices):
     names = layout_lib.path_names(path)
     user = names[1:] if names[0] == "_root" else names
     layers, chunk, k = want[user]
@@ -135,7 +135,7 @@ def test_replicas_hold_bitwise_equal_weights(sparse_run):
   """After select and sparse steps, the two replicas of every shard hold identical master weights,
   optimizer states and indices (each shard on 2 devices; the scalars on all 8)."""
   _, state, _, _ = sparse_run
-  for x in jax.tree.leaves((state.params, state.opt_state, state.radius.indices)):
+  for x in jax.tree.leaves((state.params, state.opt_state, state.stateful["radius"].indices)):
     by_index = {}
     for sh in x.addressable_shards:
       by_index.setdefault(str(sh.index), []).append(np.asarray(sh.data))

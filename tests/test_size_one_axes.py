@@ -67,7 +67,7 @@ def test_one_device_program_has_no_collective_and_no_quantization(name):
   assert not QUANTIZED.findall(hlo), sorted(set(QUANTIZED.findall(hlo)))
   c = ex.components
   assert (c.gather.axes, c.gather.to_param, c.reduction.order, c.sync.to_opt, c.sync.replicas) == ((),) * 5
-  assert (c.gather.wire_format, c.gather.secondary, c.reduction.hop_formats, c.prefetch, c.data_axes) == (None, None, None, False, ())
+  assert (c.gather.wire_format, c.gather.secondary, c.reduction.hop_formats, c.prefetch, c.mean_axes) == (None, None, None, False, ())
   assert c.gather.shard_dtype == "float32"  # rounded to bf16 and widened once per step, not at every call
 
 
@@ -82,7 +82,7 @@ def test_one_device_with_qgz_error_feedback_and_eval():
   state = ex.init_from_params(jax.jit(model.init)(jax.random.key(0)))
   step = ex.step_fn()
   state, _ = step(state, helpers.batches(1, 2)[0])
-  assert all(not np.any(np.asarray(e)) for e in jax.tree.leaves(state.grad_error))
+  assert all(not np.any(np.asarray(e)) for e in jax.tree.leaves(state.stateful["grad_error"]))
   eval_hlo = jax.jit(ex.eval_fn()).lower(state.params, helpers.batches(1, 1)[0][0]).compile().as_text()
   assert not COLLECTIVES.findall(eval_hlo)
 
@@ -114,4 +114,4 @@ def test_two_by_four_keeps_its_collectives(name):
     assert "all-reduce" in ops  # the replica sync across the two nodes
   if name == "zeropp":
     assert QUANTIZED.findall(hlo)
-  assert ex.components.gather.moves and ex.components.data_axes == ("node", "gpu")
+  assert ex.components.gather.moves and ex.components.mean_axes == ("node", "gpu")

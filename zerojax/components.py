@@ -40,7 +40,7 @@ from zerojax.mesh import axis_sizes, group_size, owner_index
 from zerojax.offload import HostOffload
 from zerojax.plan import Plan
 
-ERROR_STATE = "grad_error"  # the train-state field of qgZ's error feedback buffers (`fidelity.ErrorFeedback`)
+ERROR_STATE = "grad_error"  # the name (in `TrainState.stateful`) of qgZ's error feedback buffers (`fidelity.ErrorFeedback`)
 SEED = 0x5D4B  # the base key of stochastic rounding (the same in every run: the step makes it vary)
 
 
@@ -268,8 +268,11 @@ class Components:
     remat: the remat mode every unit runs (`Schedule.remat` resolved).
     prefetch: whether a scanned unit run by `zerojax.scan_layers` prefetches its layers (never where the
       gather moves nothing: there is nothing to fetch ahead).
-    data_axes: the mesh's axes of size > 1, over which the step averages its loss, metrics and mutable
-      collections (`mean`); with DiLoCo (`outer_sync`) those inside a node only.
+    mean_axes: the mesh's axes of size > 1, over which the step averages its loss, metrics and mutable
+      collections (`mean`); those of one replica where the replicas train apart.
+    replicas_apart: the axes over which the replicas train apart between syncs (`ReplicaSync.trains_apart`,
+      DiLoCo: the nodes, possibly of size 1); () for every other plan. The executor's `Placement` keeps
+      one copy of the state per replica over them.
     offload: which train-state fields live in host memory (`zerojax.offload.HostOffload`, from
       `Sharding.offload`).
   """
@@ -278,12 +281,13 @@ class Components:
   sync: BoundarySync
   remat: str
   prefetch: bool
-  data_axes: tuple[str, ...] = ()
+  mean_axes: tuple[str, ...] = ()
+  replicas_apart: tuple[str, ...] = ()
   offload: HostOffload = HostOffload()
 
   def mean(self, x):
-    """`x` averaged over the data-parallel devices (`lax.pmean` over `data_axes`; `x` itself on one)."""
-    return lax.pmean(x, self.data_axes) if self.data_axes else x
+    """`x` averaged over the data-parallel devices (`lax.pmean` over `mean_axes`; `x` itself on one)."""
+    return lax.pmean(x, self.mean_axes) if self.mean_axes else x
 
 
 def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's compile step)
@@ -316,11 +320,10 @@ def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's com
       backend=r.kernel_backend or kernels, error_feedback=r.grad_error_feedback,
       stochastic_rounding=r.stochastic_rounding, owner=plan.name)
   to_opt, replicas = moving(s.opt_order[len(s.grad_order):]), moving(s.replica_axes(mesh))
-  outer = plan.sync.outer_sync is not None  # DiLoCo: the replicas never reduce in a step (`outer_sync`)
-  if outer:
-    replicas = ()
+  apart = s.replica_axes(mesh) if plan.sync.trains_apart else ()  # DiLoCo: no step reduces over the replicas
+  replicas = () if apart else replicas
   # `Plan` refuses sync_in_backward where A_os is finer than A_g (`to_opt` is then empty).
   sync = BoundarySync(to_opt, replicas, in_backward=bool(plan.sync.sync_in_backward and replicas))
   return Components(gather, reduction, sync, plan.remat_mode, bool(plan.schedule.prefetch) and gather.moves,
-                    data_axes=tuple(a for a in moving(mesh.axis_names) if not (outer and a in s.replica_axes(mesh))),
+                    mean_axes=tuple(a for a in moving(mesh.axis_names) if a not in apart), replicas_apart=apart,
                     offload=HostOffload.of(plan, mesh))

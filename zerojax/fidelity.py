@@ -28,14 +28,14 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import mesh as mesh_lib
 from zerojax.components import ERROR_STATE
-from zerojax.stateful import Stateful, Stored, keep
+from zerojax.stateful import InBackward, Stored, keep
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ErrorFeedback(Stateful):
+class ErrorFeedback(InBackward):
   """qgZ's error feedback as a stateful component (`zerojax.stateful`): `{unit: (e_send, e_node)}`,
   each a global array `[devices, (layers,) n]` sharded over all mesh axes, carried through the units'
-  backward every micro-step (`in_backward`; the new errors are the cotangent of the old ones).
+  backward every micro-step (`InBackward`; the new errors are the cotangent of the old ones).
 
   Attributes:
     mesh: the executor's mesh.
@@ -43,7 +43,6 @@ class ErrorFeedback(Stateful):
   """
   name = ERROR_STATE
   setting = "grad_error_feedback=True"
-  in_backward = True
 
   mesh: Mesh
   shapes: dict

@@ -22,7 +22,7 @@ def in_flight(ex: Executor, host: int) -> int:
   (docs/offload.md) the three largest chunks' (a unit, or one layer of a scanned unit; a chunk's unit
   fetch waits on the store of the unit two before it), with a stateful component (or `HostOffload.stream`
   False) all of `host`."""
-  if not host or ex.stateful or not ex.components.offload.stream:
+  if not host or ex.stateful or not ex.placement.offload.stream:
     return host
   chunks = []
   for name, tree in ex.layout.tree().items():
@@ -72,7 +72,7 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
   expected["total"] = sum(expected[k] for k in ("params", "grads", "master", "optimizer", "hpz_secondary",
                                                 *(kind.name for kind in STATEFUL)))
   # Host offload (`Sharding.offload`): the offloaded fields' bytes are in host memory, not the device's.
-  offload = ex.components.offload
+  offload = ex.placement.offload
   expected["host"] = (expected["master"] if offload.host("params") else 0) + (
       expected["optimizer"] if offload.host("opt_state") else 0)
   expected["device"] = expected["total"] - expected["host"]
@@ -87,5 +87,5 @@ def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
                                for sh in x.addressable_shards if sh.device == dev)
     report["measured"]["host"] = in_host(state.params) + in_host(state.opt_state)
     for name in ex.stateful:
-      report["measured"][name] = on_dev(getattr(state, name))
+      report["measured"][name] = on_dev(state.stateful[name])
   return report

@@ -44,7 +44,7 @@ class HostOffload:
   Attributes:
     fields: the `TrainState` fields held in host memory ("params": the fp32 master weights, "opt_state").
       Only their arrays (ndim >= 1) move; scalars such as Adam's step count stay on the device.
-    stream: the update streams chunk by chunk (`zerojax.step`'s `_streamed_update`); False fetches every
+    stream: the update streams chunk by chunk (`Sharding.offload_update`, `Steps._streamed_update`); False fetches every
       state at once after the backward, as a plan with a stateful component does (the before of
       docs/offload.md, which `benchmarks/bench_offload.py --fit_probe --bulk` measures).
   """
@@ -56,7 +56,7 @@ class HostOffload:
     offload = plan.sharding.offload
     if offload:
       check_supported(mesh, f"plan {plan.name!r}: offload={offload}")
-    return cls(tuple(FIELD[f] for f in offload))
+    return cls(tuple(FIELD[f] for f in offload), stream=plan.sharding.offload_update == "streamed")
 
   def host(self, field: str) -> bool:
     return field in self.fields
@@ -110,7 +110,7 @@ def sharding_kind(sharding: NamedSharding) -> str:
   return sharding.memory_kind or "device"
 
 
-# The streamed update (`zerojax.step`'s `_streamed_update`): the optimizer runs on one chunk of the state at
+# The streamed update (`zerojax.executor.step`'s `_streamed_update`): the optimizer runs on one chunk of the state at
 # a time (a unit, or one layer of a scanned unit), so only a few chunks' states are on the device at once.
 # An optax update is elementwise except for its global statistics (`clip_by_global_norm`'s norm): scalars
 # reduced over every gradient. `global_scalars` computes those once, from the whole gradient, before the

@@ -2,7 +2,7 @@
 
 With `outer_sync=diloco(...)` (`ReplicaSync.outer_sync`, `zerojax.plan_outer.Diloco`) every node trains its
 own replica of the model: the train state's master weights and optimizer states get a leading replica axis
-`[nodes, ...]`, sharded over the node axis (`Stateful.replica_axes`), and the inner step reduces gradients
+`[nodes, ...]`, sharded over the node axis (`zerojax.placement.Replicas`), and the inner step reduces gradients
 inside the node only: nothing crosses nodes. After the inner step of a sync (`phase` "outer<f>" for
 fragment f) the outer step runs (`after_update`, DiLoCo Algorithm 1 lines 8–12):
 
@@ -17,7 +17,7 @@ its own weights: θ_replica = α θ_replica + (1 - α) θ_outer. Every node comp
 same all-reduced Δ, so the outer state is the same on every node and is held like the master weights
 inside one node (sharded over A_os, replicated across nodes).
 
-State (`OuterState`, the `TrainState` field "outer"): per leaf the outer parameters and the outer
+State (`OuterState`, `TrainState.stateful["outer"]`): per leaf the outer parameters and the outer
 momentum, `[(layers,) padded]` fp32. A checkpoint stores both in the leaf's logical shape; with the
 replicas' master weights and optimizer states (stored `[nodes, *logical shape]`), a run resumes bitwise on
 the same mesh and restores onto another mesh, with fewer or more nodes by the replica rule
@@ -42,7 +42,7 @@ from zerojax import comm, layout as layout_lib
 from zerojax.comm import formats
 from zerojax.mesh import group_size
 from zerojax.plan_outer import BLOCK, Diloco
-from zerojax.stateful import Stateful, Stored
+from zerojax.stateful import ReplacesWeights, Stored
 
 
 @flax.struct.dataclass
@@ -53,7 +53,7 @@ class OuterState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class OuterSync(Stateful):
+class OuterSync(ReplacesWeights):
   """DiLoCo's outer optimizer on one executor's mesh and layout.
 
   Attributes:
@@ -66,7 +66,6 @@ class OuterSync(Stateful):
   """
   name = "outer"
   setting = "outer_sync=diloco(...)"
-  replaces_sync = False
 
   diloco: Diloco
   mesh: Mesh
@@ -91,10 +90,6 @@ class OuterSync(Stateful):
   @property
   def phases(self) -> tuple[str, ...]:
     return tuple(f"outer{f}" for f in range(self.diloco.fragments))
-
-  @property
-  def replica_axes(self) -> tuple[str, ...]:
-    return self.nodes
 
   @property
   def replicas(self) -> int:

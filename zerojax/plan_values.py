@@ -48,17 +48,23 @@ class Sharding:
     offload: the train-state fields that live in host memory (ZeRO-Offload, Ren et al. 2021, §4):
       `()` (none), `("opt_state",)` (the optimizer states), `("opt_state", "master")` (and the fp32
       master weights). The step moves them to the device for its update and back (`zerojax.offload`).
+    offload_update: how the update of offloaded states runs on the device: "streamed" (chunk by chunk,
+      at most three units' states on the device at once; docs/offload.md) or "bulk" (every state fetched
+      at once after the backward, as ZeRO-Offload's GPU fallback and MaxText do).
   """
   param_axes: Axes = AXES
   grad_axes: Axes = AXES
   opt_axes: Axes = AXES
   pad_multiple: int = 1
   offload: tuple[str, ...] = ()
+  offload_update: str = "streamed"
 
   def __post_init__(self):
     if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
       raise ValueError(f"pad_multiple={self.pad_multiple!r} must be a whole number >= 1 (e.g. 256)")
     object.__setattr__(self, "offload", checks.offload(self.offload))
+    if self.offload_update not in ("streamed", "bulk"):
+      raise ValueError(f"offload_update={self.offload_update!r}; use 'streamed' (chunk by chunk) or 'bulk'")
     for f in ("param_axes", "grad_axes", "opt_axes"):
       object.__setattr__(self, f, checks.axes(getattr(self, f)))
       axes = getattr(self, f)
@@ -314,6 +320,12 @@ class ReplicaSync:
   @property
   def alignment(self) -> int:
     return self.outer_sync.alignment if self.outer_sync is not None else 1
+
+  @property
+  def trains_apart(self) -> bool:
+    """Whether the replicas train apart between syncs (DiLoCo's outer sync, Algorithm 1): each keeps its
+    own master weights and optimizer states, and no step reduces over them."""
+    return self.outer_sync is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ each step runs one of three compiled programs, picked on the host from the step 
 residual, then top-k of the optimizer's update per shard) or "sparse" (all-reduce of the k selected
 values only). The collectives are `zerojax.comm.radius`'s.
 
-State (`RadiusState`, the `TrainState` field "radius"): per leaf the residual `[replicas, (layers,)
+State (`RadiusState`, `TrainState.stateful["radius"]`): per leaf the residual `[replicas, (layers,)
 padded]`, sharded over the replica axes and, like the master weights, over A_os; per leaf the window's
 indices `[(layers,) shards * k]`; the step of the last selection. A checkpoint stores the residual as
 `[replicas, *logical shape]` (one row per replica: each keeps what it has not sent), the indices as a
@@ -35,7 +35,7 @@ from zerojax import comm, layout as layout_lib
 from zerojax import mesh as mesh_lib
 from zerojax.mesh import group_size
 from zerojax.plan import Radius
-from zerojax.stateful import Stateful, Stored, keep
+from zerojax.stateful import Stored, SyncsReplicas, keep
 
 
 @flax.struct.dataclass
@@ -48,7 +48,7 @@ class RadiusState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RadiusSync(Stateful):
+class RadiusSync(SyncsReplicas):
   """Radius's replica sync on one executor's mesh and layout.
 
   Attributes:
@@ -110,7 +110,7 @@ class RadiusSync(Stateful):
     step = int(state.step)
     if step < self.radius.dense_steps:
       return None
-    at = int(getattr(state, self.name).selected_at)
+    at = int(state.stateful[self.name].selected_at)
     return "select" if at < 0 or step - at >= self.radius.period else "sparse"
 
   def body_in(self, state, phase):

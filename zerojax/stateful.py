@@ -2,15 +2,17 @@
 
 docs/DESIGN.md, "State across steps". optax makes each feature a `GradientTransformation(init, update)`
 that owns its state; here a component of a plan that must remember something from one step to the next
-(what a quantization dropped; a replica's unsent gradient and its selection) is a `Stateful`: it says how its state is created (`init`), sharded (`specs`),
-used and updated by the step (`body_in`, `sync`, `update`, `after_update`), placed (`replica_axes`), checkpointed (`stored`) and counted
-(`memory_bytes`). The executor, the checkpoint spec (`zerojax.train.state_spec`) and the memory report
-(`zerojax.memory`) iterate over the plan's components (`zerojax.train_state.stateful_components`) and never name
-one. Its state lives in the `TrainState` field of the component's `name`.
+(what a quantization dropped; a replica's unsent gradient and its selection) is a `Stateful`: its core
+says how its state is created (`init`), sharded (`specs`),
+updated after the optimizer (`update`), checkpointed (`stored`) and counted (`memory_bytes`); what else
+the step does with it is a capability it declares by subclassing (`InBackward`, `Phased`,
+`SyncsReplicas`, `ReplacesWeights`). The executor, the checkpoint spec (`zerojax.train.state_spec`) and the
+memory report iterate over the plan's components (`zerojax.train_state.stateful_components`) and never
+name one. Its state lives in the train state's `stateful` mapping under the component's `name`.
 
 A step runs one compiled program per *phase*: "dense" (no component changes the replica sync) or one a
 component picks on the host (`phase`, from the step and its state). Inside the step's `shard_map` a
-component's local state reaches either the units' backward (`in_backward`: every micro-step, the new
+component's local state reaches either the units' backward (`InBackward`: every micro-step, the new
 state is the cotangent of the old) or the replica sync (`sync` replaces the
 dense all-reduce over the replica axes in the phases it names); after the optimizer's update
 (`update`) it becomes the next state, or stays the old one where the step is skipped (`keep`).
@@ -75,35 +77,21 @@ def keep(finite, new, old):
   return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-def keep_replicas(finite, new, old):
-  """`keep` per replica: `finite` is `[replicas]`, every leaf leads with the replica axis."""
-  return jax.tree.map(lambda n, o: jnp.where(finite.reshape(finite.shape + (1,) * (n.ndim - 1)), n, o), new, old)
-
-
 class Stateful(abc.ABC):
-  """A plan's component with state across steps. Subclasses set the class attributes and implement
-  the abstract `of`, `init`, `specs`, `memory_bytes`, `stored` and `refuse_restore` (a subclass missing
-  one cannot be built); the step's hooks default to "not used", and `sync` is needed only by a
-  component with `phases`.
+  """A plan's component with state across steps: the core every such component has. Subclasses set
+  `name` and `setting` and implement the abstract `of`, `init`, `specs`, `stored`, `memory_bytes` and
+  `refuse_restore` (a subclass missing one cannot be built). What the step does with the state beyond
+  its `update` is a capability, a subclass below: `InBackward` (the units' backward carries it),
+  `Phased` (it picks the step's program on the host), `SyncsReplicas` (its `sync` replaces the replica
+  all-reduce in its phases) and `ReplacesWeights` (its `after_update` may replace the master weights).
 
   Attributes:
-    name: the `TrainState` field that holds the state, and its top-level name in checkpoints.
+    name: the component's key in the train state's `stateful` mapping and its top-level name in
+      checkpoints.
     setting: the plan setting that turns the component on, for error messages.
-    phases: the programs besides "dense" that `phase` picks; the last one is a run's steady state (the
-      program `step.lower` lowers by default).
-    in_backward: the units' backward updates the state every micro-step, as the cotangent of the old.
-    replaces_sync: in its phases the component's `sync` replaces the replica all-reduce (Radius); False:
-      its phases change only what happens after the update (`after_update`, DiLoCo's outer step).
-    replica_axes: the mesh axes over which the master weights and optimizer states hold a distinct replica
-      each (DiLoCo: the nodes); the train state then gives them a leading replica axis sharded over these
-      axes, and the step never reduces over them. () for every other component.
   """
   name: ClassVar[str]
   setting: ClassVar[str]
-  phases: ClassVar[tuple[str, ...]] = ()
-  in_backward: ClassVar[bool] = False
-  replaces_sync: ClassVar[bool] = True
-  replica_axes: ClassVar[tuple[str, ...]] = ()
 
   @classmethod
   @abc.abstractmethod
@@ -125,37 +113,18 @@ class Stateful(abc.ABC):
   def specs(self) -> Any:
     """PartitionSpecs of the state on the executor's mesh (a tree like the state)."""
 
-  def phase(self, state) -> str | None:
-    """On the host: the program the step of `state` (a `TrainState`) runs, one of `phases`, or None."""
-    return None
+  def update(self, state, out, updates, step, finite, phase: str) -> Any:
+    """After the optimizer's update, outside the step's `shard_map`: the next state from the body's output
+    `out`, the optimizer's `updates` and the step; `finite` is False on a skipped step (then keep `state`)."""
+    return state
 
   def body_in(self, state, phase: str) -> tuple[Any, Any]:
-    """`(values, specs)`: the part of the state the step's `shard_map` body takes in `phase`."""
+    """`(values, specs)`: the part of the state the step's `shard_map` body takes in `phase` (none)."""
     return None, None
 
   def body_out_specs(self, phase: str) -> Any:
-    """PartitionSpecs of what the body returns for the component in `phase`."""
+    """PartitionSpecs of what the body returns for the component in `phase` (nothing)."""
     return None
-
-  def sync(self, grads, local, denom, phase: str) -> tuple[Any, Any]:
-    """Inside the body, in a phase of `phases`: the replica sync (over the replica axes the component
-    was built with). `grads` are the local gradient sums (reduced over A_os), `local` what `body_in`
-    passed, `denom` devices x micro-batches; returns the mean gradients and the body's output for the
-    component."""
-    raise TypeError(f"{type(self).__name__} names phases {self.phases} but defines no sync for them")
-
-  def update(self, state, out, updates, step, finite, phase: str) -> Any:
-    """After the optimizer's update, outside the body: the next state from the body's output `out`, the
-    optimizer's `updates` and the step; `finite` is False on a skipped step (then keep `state`)."""
-    return state
-
-  def after_update(self, own, params, phase: str, before) -> tuple[Any, Any]:
-    """After the optimizer's update (and the skip of a non-finite step), outside the body: the component's
-    state and the master weights, which it may replace (DiLoCo's outer step restarts every replica from
-    the outer parameters). `before` is the master weights the step started from: what depends on them only
-    may run concurrently with the step's forward and backward (Streaming DiLoCo's overlapped outer
-    gradient). Default: both as they are."""
-    return own, params
 
   @abc.abstractmethod
   def memory_bytes(self) -> int:
@@ -164,3 +133,46 @@ class Stateful(abc.ABC):
   @abc.abstractmethod
   def stored(self) -> list[Stored]:
     """How each leaf of the state is checkpointed, in the order of `jax.tree.leaves(state)`."""
+
+
+class InBackward(Stateful):
+  """Capability: the units' backward updates the state every micro-step, as the cotangent of the old
+  (qgZ's error feedback). `body_in` passes this device's part into the step's `shard_map`."""
+
+
+class Phased(Stateful):
+  """Capability: the component picks the step's program on the host.
+
+  Attributes:
+    phases: the programs besides "dense" that `phase` picks; the last one is a run's steady state (the
+      program `step.lower` lowers by default).
+  """
+  phases: tuple[str, ...] = ()
+
+  @abc.abstractmethod
+  def phase(self, state) -> str | None:
+    """On the host: the program the step of `state` (a `TrainState`) runs, one of `phases`, or None."""
+
+
+class SyncsReplicas(Phased):
+  """Capability: in its phases the component's `sync` replaces the dense all-reduce over the replica
+  axes (Radius's sparse sync)."""
+
+  @abc.abstractmethod
+  def sync(self, grads, local, denom, phase: str) -> tuple[Any, Any]:
+    """Inside the body, in a phase of `phases`: the replica sync (over the replica axes the component
+    was built with). `grads` are the local gradient sums (reduced over A_os), `local` what `body_in`
+    passed, `denom` devices x micro-batches; returns the mean gradients and the body's output for the
+    component."""
+
+
+class ReplacesWeights(Phased):
+  """Capability: after the update, in its phases, the component may replace the master weights (DiLoCo's
+  outer step restarts every replica from the outer parameters)."""
+
+  @abc.abstractmethod
+  def after_update(self, own, params, phase: str, before) -> tuple[Any, Any]:
+    """After the optimizer's update (and the skip of a non-finite step), outside the body: the component's
+    state and the master weights. `before` is the master weights the step started from: what depends on
+    them only may run concurrently with the step's forward and backward (Streaming DiLoCo's overlapped
+    outer gradient)."""

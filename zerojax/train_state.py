@@ -1,9 +1,10 @@
-"""The train state: what every run carries, plus one field per stateful component (`zerojax.stateful`).
+"""The train state: what every run carries, plus the states of the plan's stateful components
+(`zerojax.stateful`) in one mapping.
 
 docs/DESIGN.md, "State across steps". `STATEFUL` lists the kinds of component that carry state across
-steps; each owns the `TrainState` field of its `name` (None when the plan does not use it), and
-`stateful_components` gives the ones a plan uses. The executor, the checkpoint spec and the memory report
-iterate over those.
+steps (registering a new kind is one entry); each keeps its state under its `name` in
+`TrainState.stateful`, and `stateful_components` gives the ones a plan uses. The executor, the checkpoint
+spec and the memory report iterate over those.
 """
 from __future__ import annotations
 
@@ -16,22 +17,20 @@ from zerojax.fidelity import ErrorFeedback
 from zerojax.outer_sync import OuterSync
 from zerojax.radius_sync import RadiusSync
 
-STATEFUL = (RadiusSync, ErrorFeedback, OuterSync)  # the kinds of stateful component, in the order of their fields
+STATEFUL = [RadiusSync, ErrorFeedback, OuterSync]  # the kinds of stateful component, in the order they are built
 
 
 @flax.struct.dataclass
 class TrainState:
   step: jax.Array
   params: Any            # fp32 master weights: flat padded leaves sharded over A_os (with a component's
-                         # `replica_axes`: a leading replica axis `[replicas, ...]` sharded over them)
+                         # replicas trained apart: a leading replica axis `[replicas, ...]` sharded over them)
   opt_state: Any         # optimizer states, sharded like the master weights
   skipped: jax.Array     # steps skipped for non-finite loss or gradients (total; per replica `[replicas]`)
   rng: Any = None        # uint32 key data of the run's rng (models with `Model.rng`), replicated
   mutable: Any = None    # the model's mutable collections (`Model.init_state`), replicated
-  # -- one field per kind of `STATEFUL`, named by it: its state, or None when the plan does not use it
-  radius: Any = None      # `RadiusSync`: `zerojax.radius_sync.RadiusState`
-  grad_error: Any = None  # `ErrorFeedback`: {unit: (e_send, e_node)} (`zerojax.fidelity`)
-  outer: Any = None       # `OuterSync`: `zerojax.outer_sync.OuterState` (DiLoCo's outer parameters, momentum)
+  stateful: Any = None   # {name: state} of the plan's stateful components (`STATEFUL`), e.g. "radius":
+                         # `RadiusState`, "grad_error": {unit: (e_send, e_node)}, "outer": `OuterState`
 
 
 def stateful_components(plan, mesh, layout, metas) -> dict:

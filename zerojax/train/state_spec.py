@@ -45,8 +45,8 @@ from zerojax.train_state import STATEFUL
 
 FORMAT = 1
 SEP = "/"
-STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable",  # TrainState fields that are state
-          *(kind.name for kind in STATEFUL))
+STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable", "stateful")  # TrainState fields that are state
+COMPONENTS = "stateful"  # the field whose mapping holds each component's state, stored under the component's name
 
 
 class CheckpointError(ValueError):
@@ -63,7 +63,7 @@ class _Leaf(NamedTuple):
   sharding: NamedSharding                 # of the logical array on the executor's mesh
   kind: str = "flat"                      # "flat", "scalar", or "component" (a stateful component's)
   stored: Stored | None = None            # how a component's leaf is stored (`Stateful.stored`)
-  replicated: bool = False                # leads with a replica axis (`Executor.replica_axes`, DiLoCo)
+  replicated: bool = False                # leads with a replica axis (`Placement.fields`, DiLoCo)
 
 
 class _Spec:
@@ -84,17 +84,19 @@ class _Spec:
                             "derived")
     leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes)
     axes, mesh = executor.plan.sharding.opt_order, executor.mesh
-    lead = executor.replica_axes  # one replica per node (DiLoCo): params, opt_state, skipped lead with it
+    where = executor.placement  # one copy per replica (DiLoCo): its `fields` lead with the replica axis
     self.components = set(executor.stateful)
     stored = {n: iter(c.stored()) for n, c in executor.stateful.items()}  # in the order of the state's leaves
     self.leaves = []
     for path, x in leaves:
       names = layout_lib.path_names(path)
+      if names[0] == COMPONENTS:  # a component's state is stored at the top level, under its name
+        names = names[1:]
       if names[0] in stored:
         s = next(stored[names[0]])
         self.leaves.append(_Leaf(names, None, s.shape, s.dtype, s.sharding, kind="component", stored=s))
         continue
-      replicated = bool(lead) and names[0] in ("params", "opt_state", "skipped")
+      replicated = names[0] in where.fields
       base = tuple(x.shape[1:]) if replicated else tuple(x.shape)
       if names[0] == "params":
         lay = by_path[names[1:]]
@@ -105,7 +107,7 @@ class _Spec:
       shape = lay.logical_shape if lay else base
       sharding = layout_lib.logical_sharding(mesh, axes, shape)
       if replicated:  # stored [replicas, *logical shape], each replica on its own node
-        shape, sharding = (x.shape[0],) + shape, NamedSharding(mesh, P(lead, *sharding.spec))
+        shape, sharding = (x.shape[0],) + shape, NamedSharding(mesh, where.spec(*sharding.spec))
       self.leaves.append(_Leaf(names, lay, shape, np.dtype(x.dtype), sharding, kind="flat" if lay else "scalar",
                                replicated=replicated))
     seen = {}

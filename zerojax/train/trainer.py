@@ -231,7 +231,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
         _say(resumed.note)
     state = resumed.state if resumed is not None else ex.init(jax.random.key(seed))
     step_fn, eval_fn = ex.step_fn(), ex.eval_fn()
-    eval_sharding = NamedSharding(mesh, P(ex.data_axes))
+    eval_sharding = NamedSharding(mesh, P(ex.batch_axes))
     held_out = [data_lib.device_put_batch(b, eval_sharding) for b in data_lib.eval_batches(
         dataset.eval, num_batches=eval_batches, batch_size=batch_size, seq_len=cfg.seq_len)]
     loss_of = lambda out: out[0] if ex.model.has_aux else out

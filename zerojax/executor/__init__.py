@@ -1,8 +1,9 @@
 """The one executor: a train step driven by a `Plan` (docs/DESIGN.md, "The flow of one step").
 
-`Executor` binds a model, an optimizer and a plan to a mesh (this module: the plan resolved and compiled
-into components, the layout, the units' metadata, the stateful components); its train state lives in
-`zerojax.state_views` and its step in `zerojax.step`.
+`Executor` binds a model, an optimizer and a plan to a mesh: the plan resolved and compiled into its
+components, the layout, the units' metadata, the stateful components and the `Placement` (where the train
+state lives), each an explicit object it holds. Its train state is made and viewed by `TrainStates`
+(`zerojax.executor.states`) and its step built by `Steps` (`zerojax.executor.step`).
 
 Per step, inside one `jax.shard_map` over the ("node", "gpu") mesh:
 
@@ -34,20 +35,21 @@ from __future__ import annotations
 
 import jax
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from zerojax import components as components_lib, layout as layout_lib, logical as logical_lib
 from zerojax import mesh as mesh_lib
+from zerojax.executor.states import TrainStates
+from zerojax.executor.step import StepMetrics, Steps  # noqa: F401  (StepMetrics re-exported)
 from zerojax.mesh import axis_sizes
 from zerojax.model import Model, identity
+from zerojax.placement import Placement
 from zerojax.plan import Plan
-from zerojax.state_views import StateViews
-from zerojax.step import StepMetrics, StepMixin  # noqa: F401  (StepMetrics re-exported)
-from zerojax.train_state import stateful_components
+from zerojax.train_state import TrainState, stateful_components
 from zerojax.unit import UnitMeta
 
 
-class Executor(StateViews, StepMixin):
+class Executor:
   """Builds the sharded train state and the jitted train step of a model under a plan.
 
   Args:
@@ -60,6 +62,14 @@ class Executor(StateViews, StepMixin):
     accum_steps: micro-batches per optimizer step (gradient accumulation).
 
   Attributes:
+    plan, mesh: the plan resolved on the (factored) mesh.
+    components: the plan compiled for the mesh (`zerojax.components.compile`); nothing after reads the plan.
+    layout: the parameter layout; `param_specs` its PartitionSpecs over A_os.
+    metas: `{unit: UnitMeta}`, the components bound to each unit's leaves.
+    stateful: `{TrainState field: component}`, the plan's stateful components.
+    placement: where the train state lives (`zerojax.placement`: one copy or one per replica; host offload).
+    states: the train state's creation, shardings and views (`TrainStates`).
+    steps: the step and evaluation programs (`Steps`).
     planner_rows: the planner's ranked table when `auto()` chose this executor's plan (set by the trainer,
       written to `summary.json`); None otherwise.
     remat_choice: how `remat="auto"` was resolved for this executor (`zerojax.planner.remat.choose`'s
@@ -77,10 +87,7 @@ class Executor(StateViews, StepMixin):
     plan.validate(mesh)
     if accum_steps < 1:
       raise ValueError(f"accum_steps={accum_steps} must be at least 1")
-    self.model, self.optimizer, self.plan, self.mesh = model, optimizer, plan, mesh
-    self.accum_steps = accum_steps
-    self.data_axes = tuple(mesh.axis_names)
-    self.world = mesh.size
+    self.model, self.plan, self.mesh, self.accum_steps = model, plan, mesh, accum_steps
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     if not isinstance(shapes, dict):
       raise TypeError(f"model.init must return a dict of units, got {type(shapes).__name__}")
@@ -90,27 +97,77 @@ class Executor(StateViews, StepMixin):
     self.optimizer = logical_lib.logical_optimizer(optimizer, self.layout, self.to_user, self.from_user)
     self.param_specs = layout_lib.specs(self.layout, plan.sharding.opt_order)
     self.components = c = components_lib.compile(plan, mesh)  # what runs the plan; nothing below reads it
-    sizes = tuple(axis_sizes(mesh).items())
-    self._metas = {}
-    tree = self.layout.tree()
+    sizes, tree = tuple(axis_sizes(mesh).items()), self.layout.tree()
+    self.metas = {}
     for u in tree:
       leaves, treedef = jax.tree.flatten(tree[u], is_leaf=layout_lib.is_layout)
-      self._metas[u] = UnitMeta(c.gather, c.reduction, c.remat, c.prefetch, sizes, treedef, tuple(leaves),
-                                scanned=u in model.scanned, prefetch_optional=prefetch_optional)
-    self.stateful = stateful_components(plan, mesh, self.layout, self._metas)  # {TrainState field: component}
-    # Per-replica master weights and optimizer states (DiLoCo: one replica per node): a leading replica
-    # axis sharded over the component's `replica_axes`; the step reduces over the other axes only.
-    self.replica_axes = next((c.replica_axes for c in self.stateful.values() if c.replica_axes), ())
-    self.replicas = mesh_lib.group_size(mesh, self.replica_axes) if self.replica_axes else 0
-    self.state_param_specs = (jax.tree.map(lambda s: P(self.replica_axes, *s), self.param_specs,
-                                           is_leaf=lambda s: isinstance(s, P)) if self.replica_axes else self.param_specs)
-    if self.replica_axes and model.init_state is not None:
-      raise ValueError(f"plan {plan.name!r}: {next(c.setting for c in self.stateful.values() if c.replica_axes)} "
-                       "trains one replica per node, but the model has mutable collections (e.g. BatchNorm "
-                       "statistics) that the step averages over every device; use a model without them")
-    self.batch_sharding = NamedSharding(mesh, P(None, self.data_axes))
-    self._step = None
-    self._checked = False
+      self.metas[u] = UnitMeta(c.gather, c.reduction, c.remat, c.prefetch, sizes, treedef, tuple(leaves),
+                               scanned=u in model.scanned, prefetch_optional=prefetch_optional)
+    self.stateful = stateful_components(plan, mesh, self.layout, self.metas)  # {TrainState field: component}
+    self.placement = Placement.of(mesh, self.param_specs, plan.sharding.opt_order, c.offload, c.replicas_apart)
+    self.placement.refuse_model(model, plan.name)
+    self.states = TrainStates(model, self.optimizer, self.layout, self.placement, self.stateful)
+    self.steps = Steps(model, self.optimizer, optimizer, self.layout, c, self.placement, self.stateful,
+                       self.metas, accum_steps)
+    self.world, self.batch_axes, self.batch_sharding = mesh.size, self.steps.batch_axes, self.steps.batch_sharding
+
+  # -- the train state (`TrainStates`) --
+  def init(self, rng: jax.Array) -> TrainState:
+    """The model and optimizer initialised directly into the plan's sharded layout (`TrainStates.init`)."""
+    return self.states.init(rng)
+
+  def init_programs(self) -> dict:
+    """`{unit: jitted rng -> the unit's flat master shards}`, the programs `init` runs."""
+    return self.states.init_programs()
+
+  def init_from_params(self, params, mutable=None) -> TrainState:
+    """The state from logical params (`TrainStates.init_from_params`)."""
+    return self.states.init_from_params(params, mutable)
+
+  def init_from_flat(self, flat, rng=None, mutable=None) -> TrainState:
+    """The state from flat master weights (traced under `jit`)."""
+    return self.states.init_from_flat(flat, rng, mutable)
+
+  def flat_shapes(self):
+    """`ShapeDtypeStruct`s of the flat master weights."""
+    return self.states.flat_shapes()
+
+  def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
+    """NamedShardings of every field of the train state."""
+    return self.states.shardings(state_shapes)
+
+  def logical_params(self, state: TrainState, device=None):
+    """The master weights in the user's tree and shapes (`TrainStates.logical_params`)."""
+    return self.states.logical_params(state, device)
+
+  def logical_variables(self, state: TrainState, device=None) -> dict:
+    """`{"params": ..., **mutable collections}`, what flax's `apply` takes (`TrainStates.logical_variables`)."""
+    return self.states.logical_variables(state, device)
+
+  def user_layout(self):
+    """The `LeafLayout`s in the user's tree (what the optimizer and its states are named by)."""
+    return self.states.user_layout()
+
+  # -- the step and evaluation (`Steps`) --
+  def step_fn(self, state_shardings: TrainState | None = None):
+    """The jitted `(state, batch) -> (state, StepMetrics)`, donating the state (`Steps.step_fn`)."""
+    return self.steps.step_fn(state_shardings or self.shardings())
+
+  def eval_fn(self):
+    """Jitted `(params, batch, mutable=None)` -> mean loss, forward only (`Steps.eval_fn`)."""
+    return self.steps.eval_fn()
+
+  def phase(self, state: TrainState) -> str:
+    """The program a step of `state` runs (`Steps.phase`)."""
+    return self.steps.phase(state)
+
+  def shard_batch(self, batch):
+    """`batch` as the step takes it (`Steps.shard_batch`)."""
+    return self.steps.shard_batch(batch)
+
+  def check_batch(self, batch) -> None:
+    """Raises a one-line error for a batch the step cannot shard (`Steps.check_batch`)."""
+    self.steps.check_batch(batch)
 
   def prefetch_fallbacks(self) -> dict[str, str]:
     """`{unit: why}` for the scanned units that run per layer although the plan prefetches by default
@@ -118,4 +175,4 @@ class Executor(StateViews, StepMixin):
     step or eval program has been traced. An explicit `prefetch=True` raises for such a unit instead."""
     return {u: f"its layers are called one by one by {m.fallbacks[0]} (not zerojax.scan_layers): each "
                "layer gathers when it runs (prefetch off for this unit)"
-            for u, m in self._metas.items() if m.fallbacks}
+            for u, m in self.metas.items() if m.fallbacks}

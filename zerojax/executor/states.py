@@ -1,44 +1,68 @@
 """The executor's train state: its creation directly into the plan's sharded layout (per unit, as FSDP
 initialises), the shardings of every field, and the logical views (the user's tree, unpadded).
 
-`StateViews` is one half of `zerojax.executor.Executor` (the other: `zerojax.step.StepMixin`); it reads
-the attributes `Executor.__init__` sets (`model`, `optimizer`, `plan`, `mesh`, `layout`, `stateful`,
-`param_specs`, `to_user`, `from_user`).
+`TrainStates` is built by `zerojax.executor.Executor` from the objects it names; where each field lives
+(one copy or one per replica, device or host memory) it asks the `Placement`.
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5 (each device holds its partition of the model states).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import layout as layout_lib
+from zerojax.model import Model
+from zerojax.placement import Placement
 from zerojax.train_state import TrainState
 
 
-class StateViews:
-  """Creation, shardings and logical views of an `Executor`'s train state."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainStates:
+  """Creation, shardings and logical views of an `Executor`'s train state.
+
+  Attributes:
+    model: the model (its units' `init`, mutable collections, rng use, user-tree views).
+    optimizer: the optimizer on the flat layout (`zerojax.logical.logical_optimizer`).
+    layout: the parameter layout.
+    placement: where each field lives (`zerojax.placement`).
+    stateful: `{TrainState field: component}`, the plan's stateful components.
+  """
+  model: Model
+  optimizer: optax.GradientTransformation
+  layout: layout_lib.Layout
+  placement: Placement
+  stateful: dict
+
+  @property
+  def mesh(self) -> Mesh:
+    return self.placement.mesh
+
+  def to_user(self, tree):
+    return (self.model.to_user or (lambda t: t))(tree)
+
+  def from_user(self, tree):
+    return (self.model.from_user or (lambda t: t))(tree)
 
   def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
     """NamedShardings of every field of the train state."""
     state_shapes = state_shapes or jax.eval_shape(self.init_from_flat, self.flat_shapes())
-    params = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_param_specs)
+    where = self.placement
+    params = jax.tree.map(lambda s: NamedSharding(self.mesh, s), where.param_specs)
     rep = NamedSharding(self.mesh, P())
-    opt_order = self.plan.sharding.opt_order or None
-    lead = (self.replica_axes,) if self.replica_axes else ()  # one replica per node (DiLoCo): a leading axis
-    by_ndim = {len(lead): NamedSharding(self.mesh, P(*lead)), 1 + len(lead): NamedSharding(self.mesh, P(*lead, opt_order)),
-               2 + len(lead): NamedSharding(self.mesh, P(*lead, None, opt_order))}
-    opt = jax.tree.map(lambda x: by_ndim[x.ndim], state_shapes.opt_state)
-    offload = self.components.offload  # the fields in host memory (`Sharding.offload`)
-    params = offload.place("params", params, state_shapes.params)
-    opt = offload.place("opt_state", opt, state_shapes.opt_state)
-    return TrainState(step=rep, params=params, opt_state=opt, skipped=NamedSharding(self.mesh, P(*lead)),
+    opt = jax.tree.map(lambda x: where.opt_sharding(x.ndim), state_shapes.opt_state)
+    params = where.offload.place("params", params, state_shapes.params)  # the fields in host memory
+    opt = where.offload.place("opt_state", opt, state_shapes.opt_state)
+    return TrainState(step=rep, params=params, opt_state=opt, skipped=NamedSharding(self.mesh, where.spec()),
                       rng=jax.tree.map(lambda _: rep, state_shapes.rng),
                       mutable=jax.tree.map(lambda _: rep, state_shapes.mutable),
-                      **{n: jax.tree.map(lambda s: NamedSharding(self.mesh, s), c.specs())
-                         for n, c in self.stateful.items()})
+                      stateful={n: jax.tree.map(lambda s: NamedSharding(self.mesh, s), c.specs())
+                                for n, c in self.stateful.items()})
 
   def flat_shapes(self):
     return jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32), self.layout.tree(),
@@ -50,16 +74,13 @@ class StateViews:
       rng = jax.random.key_data(jax.random.fold_in(key if rng is None else rng, 1))
     if model.init_state is not None and mutable is None:
       mutable = model.init_state(key)
-    offload = self.components.offload  # offloaded fields are written to host memory as they are made
-    params, init_opt, skipped = offload.fetch("params", flat), self.optimizer.init, jnp.zeros((), jnp.int32)
-    if self.replica_axes:  # every replica starts from the same weights, with its own optimizer states
-      params = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas,) + x.shape), params)
-      init_opt, skipped = jax.vmap(init_opt), jnp.zeros((self.replicas,), jnp.int32)
-    opt_state = offload.store("opt_state", init_opt(params))
+    offload = self.placement.offload  # offloaded fields are written to host memory as they are made
+    params, opt_state, skipped = self.placement.init(offload.fetch("params", flat), self.optimizer.init)
+    opt_state = offload.store("opt_state", opt_state)
     return TrainState(step=jnp.zeros((), jnp.int32), params=offload.store("params", params), opt_state=opt_state,
                       skipped=skipped, rng=rng if model.rng else None,
                       mutable=mutable if model.init_state is not None else None,
-                      **{n: c.init(flat) for n, c in self.stateful.items()})
+                      stateful={n: c.init(flat) for n, c in self.stateful.items()})
 
   def init(self, rng: jax.Array) -> TrainState:
     """Initialises the model and optimizer directly into the plan's sharded layout.
@@ -72,8 +93,8 @@ class StateViews:
 
   def init_programs(self) -> dict:
     """`{unit: jitted rng -> the unit's flat master shards}`, the programs `init` runs."""
-    programs, offload = {}, self.components.offload
-    for u, spec in self.param_specs.items():
+    programs, offload = {}, self.placement.offload
+    for u, spec in self.placement.master_specs.items():
       make = lambda r, u=u: offload.store("params", jax.tree.map(
           lambda x, l: layout_lib.flatten_leaf(x.astype(jnp.float32), l), self.model.init(r)[u],
           self.layout.tree()[u]))  # offloaded master weights go to host memory unit by unit
@@ -88,7 +109,7 @@ class StateViews:
     optimizer; `mutable` is the model's mutable collections (default: `Model.init_state`'s)."""
     if self.model.from_user is not None and not _same_structure(params, self.layout.tree()):
       params = self.from_user(params)
-    flat = layout_lib.to_flat(params, self.layout, self.mesh, self.plan.sharding.opt_order)
+    flat = layout_lib.to_flat(params, self.layout, self.mesh, self.placement.opt_order)
     return self._init_state(flat, jax.random.key(0), mutable)
 
   def _init_state(self, flat, rng, mutable=None) -> TrainState:
@@ -105,10 +126,7 @@ class StateViews:
     for evaluation or `save_pretrained` on one device; `jax.device_get` of the result gives numpy arrays.
     Across several processes every process calls it with `device=None` (see `zerojax.train.export`).
     """
-    flat = state.params
-    if self.replica_axes:  # one replica per node (DiLoCo): the first's, every replica's right after a sync
-      flat = jax.tree.map(lambda x: x[0], flat)
-    params = self.to_user(layout_lib.to_logical(flat, self.layout))
+    params = self.to_user(layout_lib.to_logical(self.placement.first(state.params), self.layout))
     return params if device is None else _put(params, device)
 
   def logical_variables(self, state: TrainState, device=None) -> dict:

@@ -3,9 +3,9 @@ through the model's ZeRO units (one micro-step body; MiCS's in-backward replica 
 the accumulation boundary's sync, then the optimizer on sharded global arrays (docs/DESIGN.md, "The flow
 of one step"); and the forward-only evaluation.
 
-`StepMixin` is one half of `zerojax.executor.Executor` (the other: `zerojax.state_views.StateViews`); it
-reads the attributes `Executor.__init__` sets (`model`, `optimizer`, `plan`, `mesh`, `layout`,
-`components`, `stateful`, `param_specs`, `accum_steps`, `data_axes`, `world`, `batch_sharding`).
+`Steps` is built by `zerojax.executor.Executor` from the objects it names: the components run the plan's
+collectives, the `Placement` says where the state lives (one copy or one per replica, device or host
+memory), the stateful components carry their state through the step. Nothing here reads the plan.
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5. MiCS: Zhang et al. 2022, §3.4. AMSP: Chen et al. 2023, §3.
@@ -23,9 +23,11 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import gpu_aot, logical as logical_lib, offload as offload_lib
-from zerojax.model import call_loss
-from zerojax.stateful import keep, keep_replicas
+from zerojax import gpu_aot, layout as layout_lib, logical as logical_lib, offload as offload_lib
+from zerojax.components import Components
+from zerojax.model import Model, call_loss, identity
+from zerojax.placement import Placement
+from zerojax.stateful import InBackward, Phased, ReplacesWeights, SyncsReplicas, keep
 from zerojax.train_state import TrainState
 from zerojax.unit import ShardedUnit
 
@@ -37,11 +39,35 @@ class StepMetrics(NamedTuple):
   aux: Any = None        # the loss's aux, averaged over micro-batches and devices (`Model.has_aux`)
 
 
-class StepMixin:
-  """The step and evaluation programs of an `Executor`."""
+class Steps:
+  """The step and evaluation programs of an `Executor`.
+
+  Args:
+    model: the model, written as ZeRO units.
+    optimizer: the optimizer on the flat layout (`zerojax.logical.logical_optimizer`).
+    user_optimizer: the optimizer as the user gave it (the streamed offloaded update runs it per chunk).
+    layout: the parameter layout.
+    components: the plan compiled for the mesh (`zerojax.components.compile`).
+    placement: where the train state lives (`zerojax.placement`).
+    stateful: `{TrainState field: component}`, the plan's stateful components.
+    metas: `{unit: UnitMeta}`, the components bound to each unit's leaves.
+    accum_steps: micro-batches per optimizer step.
+  """
+
+  def __init__(self, model: Model, optimizer: optax.GradientTransformation,
+               user_optimizer: optax.GradientTransformation, layout: layout_lib.Layout, components: Components,
+               placement: Placement, stateful: dict, metas: dict, accum_steps: int):
+    self.model, self.optimizer, self.user_optimizer, self.layout = model, optimizer, user_optimizer, layout
+    self.components, self.placement, self.stateful, self.metas = components, placement, stateful, metas
+    self.accum_steps = accum_steps
+    self.mesh = placement.mesh
+    self.world = self.mesh.size
+    self.batch_axes = tuple(self.mesh.axis_names)  # the batch is sharded over every device
+    self.batch_sharding = NamedSharding(self.mesh, P(None, self.batch_axes))
+    self._step, self._checked, self._chunk_opts = None, False, {}
 
   def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None) -> dict:
-    metas = {u: dataclasses.replace(m, sync_axes=sync_axes) for u, m in self._metas.items()}
+    metas = {u: dataclasses.replace(m, sync_axes=sync_axes) for u, m in self.metas.items()}
     state = state or {}
     return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), metas[u],
                            state.get(u)) for u in p_shards}
@@ -51,13 +77,12 @@ class StepMixin:
     collections and `{name: what each stateful component's body_in passes}` -> reduced gradient shard,
     mean loss, mean aux, device-averaged mutable collections, `{name: the component's output}`."""
     model, local, parts = self.model, local or {}, self.components
-    carried = {n: local[n] for n, c in self.stateful.items() if c.in_backward}  # through the backward
-    syncer = next((c for c in self.stateful.values() if phase in c.phases and c.replaces_sync), None)
-    if self.replica_axes:  # this device's replica `[1, ...]` (DiLoCo)
-      master = jax.tree.map(lambda m: m[0], master)
+    carried = {n: local[n] for n, c in self.stateful.items() if isinstance(c, InBackward)}  # through the backward
+    syncer = next((c for c in self.stateful.values() if isinstance(c, SyncsReplicas) and phase in c.phases), None)
+    master = self.placement.local(master)  # this device's copy
     p_shards = parts.gather.from_master(master)  # step 0
     zeros_g = parts.reduction.sinks(self.layout.tree())
-    rank = lax.axis_index(self.data_axes)  # node-major, as the batch is sharded
+    rank = lax.axis_index(self.batch_axes)  # node-major, as the batch is sharded
     key = lambda i: None if rng is None else jax.random.fold_in(
         jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), step), i), rank)
     if not self._checked:  # once per executor: every use of a parameter shard is a unit's
@@ -67,7 +92,7 @@ class StepMixin:
       logical_lib.check_units_own_params(jaxpr.jaxpr, jaxpr.jaxpr.invars)
       self._checked = True
 
-    state = lambda e, i: parts.reduction.unit_states(self._metas, e, step, i, rank)
+    state = lambda e, i: parts.reduction.unit_states(self.metas, e, step, i, rank)
 
     def micro(acc, mut, err, mb, i, sync_axes=()):
       """One micro-batch's forward and backward: each unit reduces its gradient into its sinks. With
@@ -83,7 +108,7 @@ class StepMixin:
       if sync_axes:
         self._check_single_calls(units["u"])
       for c in self.stateful.values():  # the state is each unit's one backward's cotangent
-        if c.in_backward:
+        if isinstance(c, InBackward):
           self._check_single_calls(units["u"], c.setting)
       return (g if sync_axes else jax.tree.map(jnp.add, acc, g)), mut, err, loss, aux
 
@@ -108,23 +133,22 @@ class StepMixin:
     loss = parts.mean(jnp.mean(losses))  # over the axes of size > 1: none on one device
     aux = jax.tree.map(lambda a: parts.mean(jnp.mean(_inexact(a), axis=0)), aux)
     mutable = jax.tree.map(lambda m: parts.mean(m) if _is_inexact(m) else m, mutable)
-    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once (with
-    # one replica per node, by the devices of one replica).
-    denom = self.world // max(self.replicas, 1) * self.accum_steps
+    # Each device's loss is a mean over its micro-batch: the global mean divides by W * accum once (by the
+    # devices of one copy of the state).
+    denom = self.placement.divisor(self.world, self.accum_steps)
     out = {n: carried.get(n) for n in self.stateful}
     if syncer is None:
       grads = jax.tree.map(lambda g: g / denom, acc)
     else:
       grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], denom, phase)
-    if self.replica_axes:  # per replica: `[1, ...]` of the leading replica axis
-      grads, loss, aux = jax.tree.map(lambda x: x[None], (grads, loss, aux))
+    grads, loss, aux = self.placement.per_copy((grads, loss, aux))
     return grads, loss, aux, mutable, out
 
   def phase(self, state: TrainState) -> str:
     """The program a step of `state` runs: the one a stateful component picks (`Stateful.phase`), else
     "dense". Reads scalars of the state on the host."""
     for c in self.stateful.values():
-      picked = c.phase(state)
+      picked = c.phase(state) if isinstance(c, Phased) else None
       if picked is not None:
         return picked
     return "dense"
@@ -138,22 +162,22 @@ class StepMixin:
                          "its own unit")
 
   def _train_step(self, state: TrainState, batch, phase: str = "dense"):
-    offload = self.components.offload  # offloaded fields come to the device where read, then go back
+    where = self.placement
+    offload = where.offload  # offloaded fields come to the device where read, then go back
     host = state
     state = state.replace(params=offload.fetch("params", host.params))  # for step 0's gathers
     start = state.params  # what the step started from, before any barrier behind the backward
-    data = P(None, self.data_axes)
-    body_in = {n: c.body_in(getattr(state, n), phase) for n, c in self.stateful.items()}
+    data = P(None, self.batch_axes)
+    body_in = {n: c.body_in(state.stateful[n], phase) for n, c in self.stateful.items()}
     out_specs = {n: c.body_out_specs(phase) for n, c in self.stateful.items()}
-    per = P(self.replica_axes) if self.replica_axes else P()  # the loss and aux: one per replica
+    per = where.spec()  # the loss and aux: one per copy
     grads, loss, aux, mutable, out = jax.shard_map(
         functools.partial(self._local_grads, phase=phase), mesh=self.mesh,
-        in_specs=(self.state_param_specs, data, P(), P(), P(), {n: s for n, (_, s) in body_in.items()}),
-        out_specs=(self.state_param_specs, per, per, P(), out_specs), check_vma=False)(
+        in_specs=(where.param_specs, data, P(), P(), P(), {n: s for n, (_, s) in body_in.items()}),
+        out_specs=(where.param_specs, per, per, P(), out_specs), check_vma=False)(
             state.params, batch, state.step, state.rng, state.mutable, {n: v for n, (v, _) in body_in.items()})
-    # One optimizer per replica (DiLoCo): each replica's norm, update and skip are its own.
-    per_replica = jax.vmap if self.replica_axes else (lambda f: f)
-    grad_norm = per_replica(optax.tree.norm)(grads)
+    # One optimizer per copy: each replica's norm, update and skip are its own.
+    grad_norm = where.per_replica(optax.tree.norm)(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if offload.fields and offload.stream and not self.stateful:  # states stream through the device chunk by chunk
       params, opt_state = self._streamed_update(host, grads, finite)
@@ -165,19 +189,18 @@ class StepMixin:
     # once the backward is done (`HostOffload.fetch`'s `after`).
     state = state.replace(params=offload.fetch("params", host.params, after=grads),
                           opt_state=offload.fetch("opt_state", host.opt_state, after=grads))
-    updates, opt_state = per_replica(self.optimizer.update)(grads, state.opt_state, state.params)
+    updates, opt_state = where.per_replica(self.optimizer.update)(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    kept = (lambda new, old: keep_replicas(finite, new, old)) if self.replica_axes else (
-        lambda new, old: keep(finite, new, old))
-    new = state.replace(step=state.step + 1, params=kept(params, state.params),
-                        opt_state=kept(opt_state, state.opt_state),
+    new = state.replace(step=state.step + 1, params=where.keep(finite, params, state.params),
+                        opt_state=where.keep(finite, opt_state, state.opt_state),
                         skipped=state.skipped + (~finite).astype(jnp.int32),
                         mutable=keep(finite, mutable, state.mutable),
-                        **{n: c.update(getattr(state, n), out[n], updates, state.step, finite, phase)
-                           for n, c in self.stateful.items()})
-    for n, c in self.stateful.items():  # e.g. DiLoCo's outer step, after the inner update
-      own, params = c.after_update(getattr(new, n), new.params, phase, before=start)
-      new = new.replace(params=params, **{n: own})
+                        stateful={n: c.update(state.stateful[n], out[n], updates, state.step, finite, phase)
+                                  for n, c in self.stateful.items()})
+    for n, c in self.stateful.items():  # a component may replace the master weights after the update
+      if isinstance(c, ReplacesWeights):
+        own, params = c.after_update(new.stateful[n], new.params, phase, before=start)
+        new = new.replace(params=params, stateful={**new.stateful, n: own})
     new = new.replace(params=offload.store("params", new.params), opt_state=offload.store("opt_state", new.opt_state))
     return new, StepMetrics(loss, grad_norm, finite, aux)
 
@@ -190,15 +213,16 @@ class StepMixin:
     scheduler would do. The update's global statistics (the clipping's norm) come from the whole gradient
     before the first chunk (`offload.global_scalars`). -> (new master weights, new optimizer states), each
     in the memory its field lives in."""
-    off, lay = self.components.offload, self.layout.tree()
+    off, lay = self.placement.offload, self.layout.tree()
     scalars = offload_lib.global_scalars(self.optimizer.update, grads, host.opt_state, host.params)
     leaves, treedef = jax.tree.flatten(host.opt_state)
     new_leaves, new_params, stored = list(leaves), {}, []
     for k, u in enumerate(lay):
       scanned = u in self.model.scanned
-      cache = self.__dict__.setdefault("_chunk_opts", {})
+      cache = self._chunk_opts
       if u not in cache:
-        cache[u] = offload_lib.chunk_optimizer(self.user_optimizer, self.layout, u, scanned, self.to_user, self.from_user)
+        cache[u] = offload_lib.chunk_optimizer(self.user_optimizer, self.layout, u, scanned,
+                                               self.model.to_user or identity, self.model.from_user or identity)
       opt, mine, empty = cache[u]
       hp, hs = host.params[u], [leaves[i] for i in mine]
       _, (hp, hs) = lax.optimization_barrier((stored[k - 2] if k >= 2 else grads, (hp, hs)))
@@ -232,20 +256,19 @@ class StepMixin:
       stored.append((p_new, s_new))
     return new_params, jax.tree.unflatten(treedef, new_leaves)
 
-  def step_fn(self, state_shardings: TrainState | None = None):
+  def step_fn(self, state_shardings: TrainState):
     """The jitted `(state, batch) -> (state, StepMetrics)`; donates state.
 
     `batch` is a pytree (numpy or jax arrays) whose leaves lead with `[accum, global_batch, ...]`, or
     with `[global_batch, ...]` when `accum_steps == 1`; see `shard_batch`. The step runs the program of
     `phase(state)`, each compiled on first use; `step.lower(state, batch, phase=None)` lowers one
-    (default: a stateful component's steady state, `Stateful.phases[-1]`, else "dense"), `step.trace` traces it. On GPUs it
-    compiles with `zerojax.gpu_aot.GPU_COMPILER_OPTIONS`.
+    (default: a replica sync's steady state, `SyncsReplicas.phases[-1]`, else "dense"), `step.trace` traces it. On GPUs it
+    compiles with `zerojax.gpu_aot.GPU_COMPILER_OPTIONS`. `state_shardings`: `TrainStates.shardings()`.
     """
     if self._step is None:
-      sh = state_shardings or self.shardings()
-      programs = {}
+      sh, programs = state_shardings, {}
       # Per-replica metrics stay on their replica's devices: gathering them would cross nodes.
-      metrics = NamedSharding(self.mesh, P(self.replica_axes) if self.replica_axes else P())
+      metrics = NamedSharding(self.mesh, self.placement.spec())
 
       def program(phase):
         if phase not in programs:
@@ -255,15 +278,10 @@ class StepMixin:
                                     compiler_options=gpu_aot.compiler_options(self.mesh) or None)
         return programs[phase]
 
-      summary = jax.jit(lambda m: StepMetrics(jnp.mean(m.loss), jnp.mean(m.grad_norm), jnp.all(m.finite),
-                                              jax.tree.map(lambda a: jnp.mean(a, axis=0), m.aux)))
-
       def step(state, batch):
         state, metrics = program(self.phase(state))(state, self.shard_batch(batch))
-        # One replica per node (DiLoCo): the step's metrics are per replica; their mean (all finite) is a
-        # separate program, so the step itself reduces nothing across them.
-        return state, (summary(metrics) if self.replica_axes else metrics)
-      default = next((c.phases[-1] for c in self.stateful.values() if c.phases and c.replaces_sync), "dense")
+        return state, self.placement.summarize(metrics)  # per copy -> one value each
+      default = next((c.phases[-1] for c in self.stateful.values() if isinstance(c, SyncsReplicas)), "dense")
       step.lower = lambda state, batch, phase=None: program(phase or default).lower(state, batch)
       step.trace = lambda state, batch, phase=None: program(phase or default).trace(state, batch)
       self._step = step
@@ -319,16 +337,15 @@ class StepMixin:
     mean = lambda x: lax.pmean(x, axes) if axes else x
 
     def local(master, batch, mutable):
-      if self.replica_axes:  # each replica on its devices' batch (DiLoCo; equal right after a sync)
-        master = jax.tree.map(lambda m: m[0], master)
+      master = self.placement.local(master)  # each copy on its devices' batch (equal right after a sync)
       shards = self.components.gather.from_master(master)
       loss, aux, _ = call_loss(self.model, self._units(shards, shards), batch, None, mutable)
       if not self.model.has_aux:
         return mean(loss)
       return mean(loss), jax.tree.map(lambda a: mean(_inexact(a)), aux)
-    body = jax.shard_map(local, mesh=self.mesh, in_specs=(self.state_param_specs, P(self.data_axes), P()),
+    body = jax.shard_map(local, mesh=self.mesh, in_specs=(self.placement.param_specs, P(self.batch_axes), P()),
                          out_specs=P(), check_vma=False)
-    offload = self.components.offload
+    offload = self.placement.offload
     run = jax.jit(lambda params, batch, mutable: body(offload.fetch("params", params), batch, mutable))
     return lambda params, batch, mutable=None: run(params, batch, mutable)
 
