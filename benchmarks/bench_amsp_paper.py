@@ -234,9 +234,9 @@ def main(argv=None) -> int:
     print(json.dumps(rep, indent=2))
     if args.results:
       sys.path.insert(0, HERE)
-      import bench_mics
-      bench_mics.write_section(args.results, compiled_markdown(rep),
-                               "## AMSP planner on the paper's cluster: compiled memory (Table IV)")
+      from common import write_section
+      write_section(args.results, compiled_markdown(rep),
+                    "## AMSP planner on the paper's cluster: compiled memory (Table IV)")
     return 0
   if args.write_profile:
     with open(PROFILE, "w") as f:
@@ -246,8 +246,8 @@ def main(argv=None) -> int:
   print(json.dumps(reps, indent=2))
   if args.results:
     sys.path.insert(0, HERE)
-    import bench_mics
-    bench_mics.write_section(args.results, markdown(reps), "## AMSP planner on the paper's cluster (Table IV)")
+    from common import write_section
+    write_section(args.results, markdown(reps), "## AMSP planner on the paper's cluster (Table IV)")
   return 0
 
 

@@ -155,7 +155,7 @@ def cluster_runs(args) -> dict:
 def summarize(runs: list) -> dict:
   """Per rate and system: the step time's median and spread over the repetitions, the bytes a node sends
   per step, and the step time over MiCS's and over ZeRO++'s of the same repetition (median and spread)."""
-  from bench_gpu_step import spread
+  from common import spread
 
   ok = [r for r in runs if "error" not in r]
   time_of = {(r["rate"], r["system"], r["rep"]): r["mean_step_time_s"] for r in ok}

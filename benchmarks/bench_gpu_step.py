@@ -47,9 +47,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8).
 import argparse
 import contextlib
 import itertools
-import json
 import os
-import pathlib
 import statistics
 import sys
 import time
@@ -73,6 +71,7 @@ from zerojax.train.optim import make_optimizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the other benchmarks' helpers
 from bench_added_work import xla_bytes  # noqa: E402  (XLA's bytes accessed, also of compile-only GPU programs)
+from common import error_text, print_and_save, spread  # noqa: E402
 
 PLANS = "dp,zero3,zeropp,mics"
 GPU = dict(d_model=2048, layers=12, heads=16, vocab=32000, seq=1024, batch=8, dtype="bfloat16",
@@ -99,24 +98,10 @@ XLA_SETS = {
 }
 
 
-def spread(values) -> dict:
-  """Median, min and max of repeated figures."""
-  return {"median": float(statistics.median(values)), "min": float(min(values)), "max": float(max(values))}
-
-
-def error_text(e: BaseException) -> str:
-  return f"{type(e).__name__}: {str(e)[:600]}"
-
-
 def memory_of(compiled) -> dict | None:
   """Temp, argument and output bytes of a compiled program (None where the platform has no analysis)."""
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 - not every platform implements it
-    return None
-  if m is None:
-    return None
-  return {f"{f}_bytes": int(getattr(m, f"{f}_size_in_bytes", 0) or 0) for f in ("temp", "argument", "output")}
+  m = gpu_aot.memory(compiled)
+  return None if m is None else {f"{k}_bytes": m[k] for k in ("temp", "argument", "output")}
 
 
 def peak_tflops(kind: str) -> float | None:
@@ -400,13 +385,7 @@ def main(argv=None) -> dict:
                 "plain: jax.jit(value_and_grad) + optax, params replicated, batch sharded over the devices, "
                 "the same attention and remat (under remat auto: the mode zero3's auto picks)"],
   }
-  text = json.dumps(result, indent=1)
-  print(text, flush=True)
-  print(table(result), file=sys.stderr, flush=True)
-  if args.out:
-    path = pathlib.Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+  print_and_save(result, table, args.out)
   return result
 
 

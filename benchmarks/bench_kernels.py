@@ -43,9 +43,7 @@ References:
 """
 import argparse
 import functools
-import json
 import os
-import pathlib
 import sys
 import time
 
@@ -53,10 +51,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from pallas_kernels import tuning  # noqa: E402
 from zerojax import quantization as Q  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the other benchmarks' helpers
+from common import error_text, print_and_save, spread  # noqa: E402
 
 NODES, GPUS = 2, 4
 GPU_SIZES = "1M,4M,16M,64M,256M"
@@ -75,18 +75,9 @@ def parse_size(text: str) -> int:
   return int(digits) * scale
 
 
-def error_text(e: BaseException) -> str:
-  return f"{type(e).__name__}: {str(e)[:500]}"
-
-
 def sig(x: float, digits: int = 4) -> float:
   """x rounded to `digits` significant digits (GB/s from 0.01 on a CPU to thousands on a GPU)."""
   return float(f"{x:.{digits - 1}e}")
-
-
-def spread(values) -> dict:
-  """Median, min and max of repeated timings."""
-  return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
 
 
 def interleaved(calls: dict, reps: int, errors: dict | None = None) -> dict:
@@ -105,7 +96,7 @@ def interleaved(calls: dict, reps: int, errors: dict | None = None) -> dict:
         jax.block_until_ready(fn(*args))
         times[name].append(1e3 * (time.perf_counter() - t0))
       except Exception as e:  # noqa: BLE001 - recorded by the caller
-        (errors if errors is not None else {})[name] = error_text(e)
+        (errors if errors is not None else {})[name] = error_text(e, 500)
         del times[name]
   return times
 
@@ -172,7 +163,7 @@ def copy_ceiling(nbytes: int, reps: int) -> dict:
     try:
       out = jax.block_until_ready(fn(x))
     except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded, the other variants go on
-      errors[name] = error_text(e)
+      errors[name] = error_text(e, 500)
       continue
     try:
       same = out.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
@@ -238,7 +229,7 @@ def bench_ops(n, block, k, backends, reps, ceiling_gbps, case_fn=None):
           fn = jax.jit(make(backend))
           out = jax.block_until_ready(fn(*args))  # traces the kernels: their launch configurations
         except Exception as e:  # noqa: BLE001 - recorded in the row
-          info[backend] = dict(base, error=error_text(e))
+          info[backend] = dict(base, error=error_text(e, 500))
           continue
         finally:
           if backend in ("pallas", "triton"):
@@ -306,7 +297,7 @@ def bench_fusion(n, block, k, backend, reps):
                  fused_bytes=fused_bytes, unfused_bytes=unfused_bytes,
                  traffic_ratio=round(unfused_bytes / fused_bytes, 2), mismatched_bytes_fused_vs_unfused=mismatch)
     except Exception as e:  # noqa: BLE001 - recorded in the row
-      row["error"] = error_text(e)
+      row["error"] = error_text(e, 500)
     out.append(row)
   return out
 
@@ -449,13 +440,7 @@ def main(argv=None) -> dict:
       best=best_per_op(rows, ceiling["gbps"], args.reference_copy),
       rows=rows, qgz_intra_node_fused_vs_unfused=fusion,
       summary=summarize(rows, fusion, ceiling), notes=notes)
-  text = json.dumps(result, indent=1)
-  print(text, flush=True)
-  print(summary_text(result), file=sys.stderr, flush=True)
-  if args.out:
-    path = pathlib.Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+  print_and_save(result, summary_text, args.out)
   return result
 
 

@@ -39,6 +39,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import cluster  # noqa: E402
+from common import write_section  # noqa: E402
 
 RATE_BITS = {"mbit": 1e6, "gbit": 1e9, "kbit": 1e3}
 
@@ -134,16 +135,6 @@ def markdown(report: dict) -> str:
                  f"{r['T']:.3f} [{r['T_min']:.3f}–{r['T_max']:.3f}] | {r['C']:.3f} | {r['W']:.3f} | {r['T_over_max_CW']:.2f} | {r['eta']:.2f} | "
                  f"{r['cross_node_MB_per_step']:.2f} | {r['speedup_vs_zero3']:.2f}x |")
   return "\n".join(lines) + "\n"
-
-
-def write_section(path: str, text: str, marker: str = "## MiCS partition groups on the emulated cluster") -> None:
-  old = open(path).read() if os.path.exists(path) else ""
-  if marker + "\n" in old:  # the whole heading line: "(batch 8)" sections are not the default's
-    start = old.index(marker + "\n")
-    nxt = old.find("\n## ", start + len(marker))
-    old = old[:start] + old[nxt + 1:] if nxt >= 0 else old[:start]
-  with open(path, "w") as f:
-    f.write(old.rstrip() + "\n\n" + text)
 
 
 def main(argv=None) -> int:

@@ -27,13 +27,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import cluster  # noqa: E402
+from common import spread  # noqa: E402
 
 
-def spread(values: list[float]) -> dict | None:
+def spread_present(values: list) -> dict | None:
+  """`spread` of the values that are not None, with their count; None where there are none."""
   values = [v for v in values if v is not None]
-  if not values:
-    return None
-  return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+  return {**spread(values), "n": len(values)} if values else None
 
 
 def one_run(args, gin_file: str, kill: str | None, port: int) -> dict:
@@ -74,14 +74,15 @@ def summarize(runs: list[dict]) -> dict:
     base_eval = statistics.median([r["final_eval_loss"] for r in base]) if base else None
     out[gin_file] = {
         "runs": len(killed), "errors": sum(1 for r in runs if r["gin_file"] == gin_file and "error" in r),
-        "loss_time_to_detect_s": spread(ev("lost", "detect_s")), "loss_time_to_resume_s": spread(ev("lost", "resume_s")),
-        "loss_steps_lost": spread(ev("lost", "steps_lost")),
-        "kill_to_training_s": spread([r.get("kill_to_training_s") for r in killed]),
-        "rejoin_time_to_resume_s": spread(ev("rejoined", "resume_s")),
-        "rejoin_steps_lost": spread(ev("rejoined", "steps_lost")),
+        "loss_time_to_detect_s": spread_present(ev("lost", "detect_s")),
+        "loss_time_to_resume_s": spread_present(ev("lost", "resume_s")),
+        "loss_steps_lost": spread_present(ev("lost", "steps_lost")),
+        "kill_to_training_s": spread_present([r.get("kill_to_training_s") for r in killed]),
+        "rejoin_time_to_resume_s": spread_present(ev("rejoined", "resume_s")),
+        "rejoin_steps_lost": spread_present(ev("rejoined", "steps_lost")),
         "every_step_logged": all(r.get("every_step_logged") for r in killed) if killed else None,
         "final_nodes": sorted({r.get("final_nodes") for r in killed}),
-        "final_eval_loss": spread([r["final_eval_loss"] for r in killed]),
+        "final_eval_loss": spread_present([r["final_eval_loss"] for r in killed]),
         "uninterrupted_final_eval_loss": base_eval,
         "eval_loss_vs_uninterrupted": [r["final_eval_loss"] / base_eval - 1 for r in killed] if base_eval else None,
     }

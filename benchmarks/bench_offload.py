@@ -51,17 +51,10 @@ from zerojax import gpu_aot  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
 from zerojax.memory import memory_report  # noqa: E402
-from bench_gpu_step import error_text, spread  # noqa: E402  (the kit's step benchmark: the same figures)
+from common import error_text, spread  # noqa: E402
 
 SETTINGS = ((), ("opt_state",), ("opt_state", "master"))
 STATE_BYTES = 18  # per parameter: bf16 weights 2, fp32 gradients 4, master 4, AdamW's moments 8
-
-
-def memory_of(compiled) -> dict | None:
-  try:
-    return gpu_aot.memory(compiled)
-  except Exception:  # noqa: BLE001  (not every platform analyses memory)
-    return None
 
 
 def system(plan, cfg, mesh, batches):
@@ -91,7 +84,7 @@ def cost(args) -> dict:
         shards = [ex.shard_batch(b) for b in batches]
         state, m = compiled(state, shards[0])  # first step: warm
         systems[key] = {"compiled": compiled, "state": state, "shards": shards, "plan": name, "off": off}
-        rows[key] = {"plan": name, "offload": list(off), "memory": memory_of(compiled), "times": [],
+        rows[key] = {"plan": name, "offload": list(off), "memory": gpu_aot.memory(compiled), "times": [],
                      "losses": []}
       except Exception as e:  # noqa: BLE001  (recorded, the others go on)
         rows[key] = {"plan": name, "offload": list(off), "error": error_text(e)}
@@ -271,7 +264,7 @@ def run_one(args) -> dict:
       return out
     state, shard = ex.init(jax.random.key(0)), ex.shard_batch(batch)
     compiled = ex.step_fn().lower(state, shard).compile()
-    out["memory"], losses, times = memory_of(compiled), [], []
+    out["memory"], losses, times = gpu_aot.memory(compiled), [], []
     for _ in range(args.steps):
       t0 = time.perf_counter()
       state, m = compiled(state, shard)

@@ -51,6 +51,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import bench_mics  # noqa: E402
 import cluster  # noqa: E402
+from common import spread, write_section  # noqa: E402
 
 NAMED = {"zero3": ["train.plan=@zero3()"], "zeropp": ["train.plan=@zeropp()"],
          "mics_node": ["train.plan=@mics()", "mics.sync_in_backward=True"]}
@@ -187,10 +188,6 @@ def by_name(plan: str, pred: dict, gpus: int) -> list[str]:
   return gin_params(pred["every"][plan])
 
 
-def spread(v: list[float]) -> dict:
-  return {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
-
-
 def user_cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args) -> dict:
   """auto's own run against the plan it chose started by name, interleaved (`--user`)."""
   pred = predict(prof_path, nodes, gpus, accum, args.lossy, args.compute, args.gin_param)
@@ -216,7 +213,7 @@ def user_cell(nodes: int, gpus: int, rate: str, accum: int, prof_path: str, args
   out = {"shape": f"{nodes}x{gpus}", "rate": rate, "accum": accum, "auto_plans": plans, "chosen": chosen,
          "named_params": by_name(chosen, pred, gpus) if chosen else None}
   if t["auto"] and t["named"]:
-    out.update(auto_s=spread(t["auto"]), named_s=spread(t["named"]),
+    out.update(auto_s={**spread(t["auto"]), "runs": t["auto"]}, named_s={**spread(t["named"]), "runs": t["named"]},
                auto_over_named=statistics.median(t["auto"]) / statistics.median(t["named"]),
                auto_over_named_range=[min(t["auto"]) / max(t["named"]), max(t["auto"]) / min(t["named"])])
   return out
@@ -269,7 +266,7 @@ def main(argv=None) -> int:
   if args.user:
     print(json.dumps(report["cells"], indent=2))
     return 0
-  bench_mics.write_section(args.results, markdown(report), "## AMSP planner on the emulated cluster")
+  write_section(args.results, markdown(report), "## AMSP planner on the emulated cluster")
   print(json.dumps([{k: v for k, v in c.items() if k not in ("rows", "compute")} for c in report["cells"]], indent=2))
   return 0
 

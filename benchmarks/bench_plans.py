@@ -34,11 +34,6 @@ VARIANTS = {
 }
 
 
-def spread(values) -> dict:
-  """Median, min and max of repeated timings (what every benchmark reports)."""
-  return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
-
-
 def time_steps(runs: dict, steps: int, batch: int, seq_len: int) -> None:
   """Interleaved step times: each `runs[name] = [executor, state, step_fn, times]` takes one step on the
   same random byte batch in turn; step 0 compiles and is not timed. Appends to `times` in place."""

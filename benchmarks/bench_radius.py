@@ -68,6 +68,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import cluster  # noqa: E402
+from common import write_section  # noqa: E402
 import radius_compare  # noqa: E402
 
 SECTION = "## Radius: sparse replica sync on the emulated cluster"
@@ -185,16 +186,6 @@ def markdown(report: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def write_section(path: str, text: str) -> None:
-  old = open(path).read() if os.path.exists(path) else ""
-  if SECTION in old:
-    start = old.index(SECTION)
-    nxt = old.find("\n## ", start + len(SECTION))
-    old = old[:start] + old[nxt + 1:] if nxt >= 0 else old[:start]
-  with open(path, "w") as f:
-    f.write(old.rstrip() + "\n\n" + text)
-
-
 # -- before/after: this tree against other checkouts, interleaved ------------------------------------
 
 def main(argv=None) -> int:
@@ -280,7 +271,7 @@ def main(argv=None) -> int:
 def _write(report: dict, args) -> int:
   with open(args.json, "w") as f:
     json.dump(report, f, indent=2)
-  write_section(args.results, markdown(report))
+  write_section(args.results, markdown(report), SECTION)
   print(json.dumps({k: report.get(k) for k in ("rows", "convergence", "overhead")}, indent=2))
   return 0
 

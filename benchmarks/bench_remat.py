@@ -22,9 +22,10 @@ import jax
 import numpy as np
 
 import zerojax
+from zerojax import gpu_aot
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax.train.optim import make_optimizer
-from bench_plans import spread  # benchmarks/, this script's directory
+from common import spread  # benchmarks/, this script's directory
 
 
 def main(argv=None):
@@ -55,14 +56,13 @@ def main(argv=None):
       ex = zerojax.Executor(model, make_optimizer(total_steps=1000), plan, mesh)
       state = ex.init_from_params(params)
       lowered = ex.step_fn().lower(state, jax.device_put(batches[0], ex.batch_sharding))
-      mem = lowered.compile().memory_analysis()
+      mem = gpu_aot.memory(lowered.compile())
       step = ex.step_fn()
       state, m = step(state, batches[0])  # compile, warm up
       jax.block_until_ready(m)
       pairs[(name, mode)] = {"step": step, "state": state, "times": [], "first_loss": float(m.loss),
-                             "temp_bytes": int(mem.temp_size_in_bytes),
-                             "total_bytes": int(mem.temp_size_in_bytes + mem.argument_size_in_bytes
-                                                + mem.output_size_in_bytes - mem.alias_size_in_bytes)}
+                             "temp_bytes": mem["temp"],
+                             "total_bytes": mem["temp"] + mem["argument"] + mem["output"] - mem["alias"]}
   keys = list(pairs)
   for r in range(args.reps):
     for key in keys[r % len(keys):] + keys[:r % len(keys)]:

@@ -36,10 +36,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax import analysis
+from zerojax import analysis, gpu_aot
 from zerojax.models.gpt import Block, GPTConfig, embed_tokens, head_loss, gpt
 from zerojax.train.optim import make_optimizer
-from bench_plans import spread  # benchmarks/, this script's directory
+from common import spread  # benchmarks/, this script's directory
 
 DATA = ("node", "gpu")
 # The embedding dimension of each weight matrix (MaxText's "embed" logical axis): wte [vocab, d],
@@ -147,7 +147,7 @@ def main(argv=None):
   aparams, aopt, aloss = astep(aparams, aopt, ab[0])
   first = {"zerojax": float(m.loss), "gspmd": float(aloss)}
   compiled = {"zerojax": ex.step_fn().lower(state, zb[0]).compile(), "gspmd": astep.lower(aparams, aopt, ab[0]).compile()}
-  memory = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+  memory = {k: gpu_aot.memory(c)["temp"] for k, c in compiled.items()}
   collectives = {k: dict(collections.Counter(x.op for x in analysis.collectives_from_hlo(c.as_text(), mesh)
                                              for _ in range(x.count)))
                  for k, c in compiled.items()}

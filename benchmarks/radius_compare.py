@@ -27,6 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import cluster  # noqa: E402
+from common import spread  # noqa: E402
 
 SMOKE_MODEL = ["model_config.seq_len=16", "model_config.d_model=32", "model_config.num_heads=2",
                "model_config.num_layers=2"]  # tests/golden_configs.py's tiny model
@@ -110,7 +111,7 @@ def run_checkout(checkout: dict, gin_file: str, params: list[str], args, workdir
 def _spread(xs: list[float]) -> dict:
   xs = sorted(xs)
   q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
-  return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "q1": q[0], "q3": q[2], "n": len(xs)}
+  return {**spread(xs), "q1": q[0], "q3": q[2], "n": len(xs)}
 
 
 def summarize_compare(runs: list[dict], labels: list[str]) -> dict:

@@ -44,7 +44,7 @@ PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
 
 # Bound by `_kernels()` once triton is importable.
 tl = libdevice = None
-_abs_or_inf = _scale = _inverse = _codes = _load_lane = _store_lane = _store_codes = None
+_abs_or_inf = _scale = _inverse = _codes = _load_lane = _store_lane = _store_codes = _quantize_store = None
 
 
 def require_jax_triton() -> None:
@@ -142,7 +142,7 @@ def _kernels():
   and the helper kernels are bound there.
   """
   global tl, libdevice, TRIM_ADD, TRIM_MASK, MIN_SCALE, R8, R4, _abs_or_inf, _scale, _inverse, _codes
-  global _load_lane, _store_lane, _store_codes
+  global _load_lane, _store_lane, _store_codes, _quantize_store
   import triton
   import triton.language as tl
   try:
@@ -214,6 +214,23 @@ def _kernels():
         tl.store(base + TWO * cols[None, :] + 1, q1.to(tl.int8))
 
   @triton.jit
+  def _quantize_store(v_ptr, s_ptr, row, cols, y0, y1, amax, B: tl.constexpr, BITS: tl.constexpr,
+                      TWO: tl.constexpr):
+    # Rows of B fp32 elements (lanes y0 and, when TWO == 2, y1; absmax amax) quantized to BITS: codes and
+    # scales stored.
+    QMAX: tl.constexpr = 7.0 if BITS == 4 else 127.0
+    BP: tl.constexpr = B // 2 if BITS == 4 else B
+    scale = _scale(amax, QMAX)
+    ok = (scale > 0) & (scale < float("inf"))
+    inv = _inverse(scale, ok)
+    q0 = _codes(y0, scale, inv, ok, QMAX)
+    q1 = q0
+    if TWO == 2:
+      q1 = _codes(y1, scale, inv, ok, QMAX)
+    _store_codes(v_ptr, row, cols, q0, q1, BITS, BP, TWO)
+    tl.store(s_ptr + row, scale)
+
+  @triton.jit
   def quantize(x_ptr, v_ptr, s_ptr, N: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                NB: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
     # Output rows are ordered (s, g, n, j); input rows (n, g, s, j). N = G = S = 1: plain quantize.
@@ -226,22 +243,14 @@ def _kernels():
     s = t // G
     src = ((n * G + g) * S + s) * NB + j
     TWO: tl.constexpr = 2 if BITS == 4 else 1
-    QMAX: tl.constexpr = 7.0 if BITS == 4 else 127.0
     cols = tl.arange(0, B // TWO)
     x0 = tl.load(x_ptr + src[:, None] * B + TWO * cols[None, :]).to(tl.float32)
+    x1 = x0
     amax = tl.max(_abs_or_inf(x0), axis=1)
     if TWO == 2:
       x1 = tl.load(x_ptr + src[:, None] * B + TWO * cols[None, :] + 1).to(tl.float32)
       amax = tl.maximum(amax, tl.max(_abs_or_inf(x1), axis=1))
-    scale = _scale(amax, QMAX)
-    ok = (scale > 0) & (scale < float("inf"))
-    inv = _inverse(scale, ok)
-    q0 = _codes(x0, scale, inv, ok, QMAX)
-    q1 = q0
-    if TWO == 2:
-      q1 = _codes(x1, scale, inv, ok, QMAX)
-    _store_codes(v_ptr, r, cols, q0, q1, BITS, B // TWO, TWO)
-    tl.store(s_ptr + r, scale)
+    _quantize_store(v_ptr, s_ptr, r, cols, x0, x1, amax, B, BITS, TWO)
 
   @triton.jit
   def dequant_sum(v_ptr, s_ptr, o_ptr, os_ptr, K: tl.constexpr, M: tl.constexpr,
@@ -269,20 +278,10 @@ def _kernels():
         else:
           acc1 = acc1 + y1
     if REQUANT == 1:
-      QMAX: tl.constexpr = 7.0 if OUT_BITS == 4 else 127.0
       amax = tl.max(_abs_or_inf(acc0), axis=1)
       if TWO == 2:
         amax = tl.maximum(amax, tl.max(_abs_or_inf(acc1), axis=1))
-      scale = _scale(amax, QMAX)
-      ok = (scale > 0) & (scale < float("inf"))
-      inv = _inverse(scale, ok)
-      q0 = _codes(acc0, scale, inv, ok, QMAX)
-      q1 = q0
-      if TWO == 2:
-        q1 = _codes(acc1, scale, inv, ok, QMAX)
-      OBP: tl.constexpr = B // 2 if OUT_BITS == 4 else B
-      _store_codes(o_ptr, r, cols, q0, q1, OUT_BITS, OBP, TWO)
-      tl.store(os_ptr + r, scale)
+      _quantize_store(o_ptr, os_ptr, r, cols, acc0, acc1, amax, B, OUT_BITS, TWO)
     else:
       _store_lane(o_ptr, r, cols, acc0, 0, B, TWO)
       if TWO == 2:

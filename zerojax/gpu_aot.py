@@ -156,11 +156,18 @@ def compile_step(ex, batch_shape, phase: str | None = None):
   return compiled, time.perf_counter() - t0
 
 
-def memory(compiled) -> dict:
-  """Per-device bytes of the compiled program (`compiled.memory_analysis()`)."""
-  m = compiled.memory_analysis()
-  out = {k: int(getattr(m, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
-  out["peak"] = int(getattr(m, "peak_memory_in_bytes", 0)) or out["argument"] + out["output"] - out["alias"] + out["temp"]
+def memory(compiled) -> dict | None:
+  """Per-device bytes of the compiled program (`compiled.memory_analysis()`); None where the platform
+  analyses no memory, 0 for a figure it does not report."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - not every platform implements it
+    return None
+  if m is None:
+    return None
+  size = lambda name: int(getattr(m, name, 0) or 0)
+  out = {k: size(k + "_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
+  out["peak"] = size("peak_memory_in_bytes") or out["argument"] + out["output"] - out["alias"] + out["temp"]
   if out["peak"] < out["temp"]:  # the CPU backend's peak leaves its temporaries out: not a peak
     out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
   # Host memory (offloaded state, `Sharding.offload`): XLA counts its arguments, outputs and temporaries
@@ -169,7 +176,7 @@ def memory(compiled) -> dict:
   # program, so the device's peak is at most that peak less the host arguments (and less the host
   # outputs that are not aliased to them, with no host temporaries); it is also at most the device's
   # arguments + outputs - aliased + temporaries. `device_peak` is the smaller bound.
-  h = {k: int(getattr(m, f"host_{k}_size_in_bytes", 0)) for k in ("argument", "output", "alias", "temp")}
+  h = {k: size(f"host_{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp")}
   out["host"] = h
   bounds = [out["argument"] + out["output"] - out["alias"] + out["temp"]]
   if not h["temp"]:

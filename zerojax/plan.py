@@ -10,13 +10,15 @@ mesh into the components that run it (`zerojax.components`):
 | plan    | params A_p   | grads A_g    | optimizer states A_os | replica sync            |
 |---------|--------------|--------------|-----------------------|-------------------------|
 | DP      | ()           | ()           | ()                    | all-reduce over D       |
-| ZeRO-1  | ()           | ()           | (node, gpu)           | reduce-scatter          |
+| ZeRO-1  | ()           | ()           | (node, gpu)           | -                       |
 | ZeRO-2  | ()           | (node, gpu)  | (node, gpu)           | -                       |
 | ZeRO-3  | (node, gpu)  | (node, gpu)  | (node, gpu)           | -                       |
 | MiCS    | group of k   | group of k   | group of k            | all-reduce over replicas|
 | ZeRO++  | (node, gpu)  | (node, gpu)  | (node, gpu)           | - ; int8 gather, hpZ, qgZ|
 
-Any plan with replica axes may sparsify its replica all-reduce with Radius (`replica_sync=radius(...)`).
+Gradients are reduce-scattered over A_g in each unit's backward, and over A_os \\ A_g once per accumulation
+window (ZeRO-1's only reduction: `components.BoundarySync`). Any plan with replica axes may sparsify its
+replica all-reduce with Radius (`replica_sync=radius(...)`).
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5 (stages 1-3).

@@ -10,11 +10,10 @@ two per `uint8`, element 2i in the LOW nibble and element 2i+1 in the HIGH nibbl
 
 The value does not depend on how a compiler divides: the scale is one IEEE multiplication, and a code
 is any division's estimate corrected by exact comparisons with the midpoints `(2k +- 1) * scale / 2`
-(exact fp32 numbers with 16-bit scales). So the xla, pallas and triton backends give the same bits, on
-CPUs and on GPUs (where XLA's fp32 division is not correctly rounded). Compilers contract
-`acc + code * scale` into a fused multiply-add where they like; with an exact product the FMA rounds
-like a separate multiply and add, so sums of dequantized slabs (fp32, slab 0 first) are the same bits
-in every backend too.
+(exact fp32 numbers with 16-bit scales). So every backend gives the same bits, on CPUs and on GPUs
+(where XLA's fp32 division is not correctly rounded). Compilers contract `acc + code * scale` into a
+fused multiply-add where they like; with an exact product the FMA rounds like a separate multiply and
+add, so sums of dequantized slabs (fp32, slab 0 first) are the same bits in every backend too.
 
 Non-finite inputs: a block holding NaN or +-Inf gets scale = +inf and codes 0, so it dequantizes to
 NaN (0 * inf) and the step's non-finite check catches it; an all-zero block gets scale 0 and codes 0
@@ -24,16 +23,17 @@ Two options (off by default, and then nothing changes): `rotate` multiplies each
 matrix before quantizing and back after dequantizing (`pallas_kernels.hadamard`: fixed butterflies,
 the same bits everywhere; inside the Pallas kernels, around the triton ones); `noise` (uniform in
 (0, 1), shaped like the input) rounds stochastically, `floor(x / scale + u)`, unbiased (xla and
-Pallas; the triton kernels refuse it).
+Pallas; the triton and mosaic kernels refuse it).
 
-Three backends compute the same arithmetic and agree bit for bit: "xla" (plain jnp, this file, the
-reference), "pallas" (`pallas_kernels.block_quant`, interpreted on CPU) and "triton"
-(`pallas_kernels.triton_block_quant`, GPU only). `backend=FASTEST` runs each op with the fastest
-backend of the measured GPU table that can be compiled for it (`gpu_default`, `pallas_kernels.kernel_table`):
-what the components pass on a mesh of GPUs (`zerojax.components`), and what `backend=None` (the default)
-means where jax's default backend is a GPU; elsewhere None means "xla". A call's `backend=`, a plan's
-`kernel_backend`, or for the process the environment variable ZEROJAX_KERNEL_BACKEND name one backend
-for every op instead.
+Four backends compute the same arithmetic and agree bit for bit: "xla" (plain jnp,
+`pallas_kernels.xla_rows`, the reference), "pallas" (`pallas_kernels.block_quant`, interpreted on CPU),
+"triton" (`pallas_kernels.triton_block_quant`, GPU only) and "mosaic" (`pallas_kernels.mosaic_block_quant`,
+int8 quantize and dequantize on sm_90+ GPUs). `zerojax.kernel_choice` picks one per op:
+`backend=kernel_choice.FASTEST` runs each op with the fastest backend of the measured GPU table that can
+be compiled for it (`kernel_choice.gpu_default`, `pallas_kernels.kernel_table`): what the components
+pass on a mesh of GPUs (`zerojax.components`), and what `backend=None` (the default) means where jax's
+default backend is a GPU; elsewhere None means "xla". A call's `backend=`, a plan's `kernel_backend`,
+or for the process the environment variable ZEROJAX_KERNEL_BACKEND name one backend for every op instead.
 
 References:
   ZeRO++: Wang et al. 2023, §3.1 (block-based quantization), §3.3 (qgZ), §4.1.2 Algorithm 2
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from pallas_kernels import hadamard, xla_rows
 from pallas_kernels.block_format import qmax_of, trim_scale  # noqa: F401  (the format's public names)
 from zerojax import kernel_choice
-from zerojax.kernel_choice import MOSAIC, Backend
+from zerojax.kernel_choice import Backend
 
 def packed_len(elements: int, bits: int) -> int:
   """Length of the stored value axis for `elements` codes."""
@@ -71,9 +71,27 @@ def _check(bits: int, block: int, rotate: bool = False, name: str = "xla", noise
 
 
 def _opt(**kw) -> dict:
-  """Keyword arguments for a kernel, without those left at their defaults (so the triton kernels,
-  which have neither, are called as before)."""
+  """Keyword arguments for a kernel, without those left at their defaults (not every kernel has both)."""
   return {k: v for k, v in kw.items() if v is not None and v is not False}
+
+
+def _kernel(name: str, op: str, *args, block: int | None = None, rotate: bool = False, noise=None, dtype=None):
+  """`op` of backend `name`'s kernels (not xla) on `args`, and `dtype` for an op that dequantizes. The pallas
+  kernels rotate and round stochastically themselves. The triton and mosaic kernels do neither (noise is
+  refused before them): a dequantizing op's fp32 output is rotated back after them, and a quantizing op's
+  input (`args[0]`, blocks of `block` on its last axis) rotated before them."""
+  fn = getattr(kernel_choice.kernels(name), op)
+  if dtype is not None:
+    if name == "pallas" or not rotate:
+      return fn(*args, dtype, **_opt(rotate=rotate))
+    return xla_rows.unrotate(fn(*args, jnp.float32), True).astype(dtype)
+  if name == "pallas":
+    return fn(*args, **_opt(rotate=rotate, noise=noise))
+  if rotate:
+    x = args[0]
+    x = hadamard.fwht_rows(x.astype(jnp.float32).reshape(-1, block), hadamard.scales(block)[0]).reshape(x.shape)
+    args = (x, *args[1:])
+  return fn(*args)
 
 
 # --- public API -----------------------------------------------------------------------------------
@@ -137,11 +155,8 @@ def _quantize(x, noise, bits, block, rotate, name):
   if name == "xla":
     codes, s_M = xla_rows.quantize_rows(x_MxB, bits, rotate, u_MxB)
     v_MxBp = xla_rows.pack(codes, bits)
-  elif name in ("triton", MOSAIC):
-    x_MxB = hadamard.fwht_rows(x_MxB.astype(jnp.float32), hadamard.scales(block)[0]) if rotate else x_MxB
-    v_MxBp, s_M = kernel_choice.kernels(name).quantize_rows(x_MxB, bits)
   else:
-    v_MxBp, s_M = kernel_choice.kernels(name).quantize_rows(x_MxB, bits, rotate=rotate, noise=u_MxB)
+    v_MxBp, s_M = _kernel(name, "quantize_rows", x_MxB, bits, block=block, rotate=rotate, noise=u_MxB)
   return v_MxBp.reshape(-1), s_M
 
 
@@ -169,11 +184,8 @@ def _dequantize(values, scales, bits, block, dtype, size, rotate, name):
     raise ValueError(f"{s_M.shape[0]} scales for {v_MxBp.shape[0]} blocks of {block}")
   if name == "xla":
     out = xla_rows.unrotate(xla_rows.dequantize_rows(v_MxBp, s_M, bits), rotate).astype(dtype)
-  elif name == "triton" and rotate:
-    out = xla_rows.unrotate(
-        kernel_choice.kernels(name).dequantize_rows(v_MxBp, s_M, bits, jnp.float32), True).astype(dtype)
   else:
-    out = kernel_choice.kernels(name).dequantize_rows(v_MxBp, s_M, bits, dtype, **_opt(rotate=rotate))
+    out = _kernel(name, "dequantize_rows", v_MxBp, s_M, bits, rotate=rotate, dtype=dtype)
   out = out.reshape(-1)
   return out if size is None else out[:size]
 
@@ -224,12 +236,7 @@ def _reorder_quantize(x, noise, nodes, gpus, bits, block, stages, rotate, name):
                                 None if noise is None else to_rows(u_NxGxSxC))
     v = xla_rows.pack(codes, bits).reshape(stages, gpus, nodes, packed_len(cs, bits))
     return v, s_M.reshape(stages, gpus, nodes, cs // block)
-  if name == "triton":
-    if rotate:
-      x_NxGxSxC = hadamard.fwht_rows(x_NxGxSxC.astype(jnp.float32).reshape(-1, block),
-                                     hadamard.scales(block)[0]).reshape(x_NxGxSxC.shape)
-    return kernel_choice.kernels(name).reorder_quantize(x_NxGxSxC, bits, block)
-  return kernel_choice.kernels(name).reorder_quantize(x_NxGxSxC, bits, block, rotate=rotate, noise=u_NxGxSxC)
+  return _kernel(name, "reorder_quantize", x_NxGxSxC, bits, block, block=block, rotate=rotate, noise=u_NxGxSxC)
 
 
 def _slabs(values: jax.Array, scales: jax.Array, bits: int, block: int):
@@ -282,8 +289,7 @@ def _dequant_sum_quantize(values, scales, noise, bits, block, out_bits, name):
     codes, s_M = xla_rows.quantize_rows(xla_rows.sum_rows(v_KxMxBp, s_KxM, bits), out_bits, noise=rows(noise))
     v_M = xla_rows.pack(codes, out_bits)
   else:
-    v_M, s_M = kernel_choice.kernels(name).dequant_sum_quantize_rows(v_KxMxBp, s_KxM, bits, out_bits,
-                                                        **_opt(noise=rows(noise)))
+    v_M, s_M = _kernel(name, "dequant_sum_quantize_rows", v_KxMxBp, s_KxM, bits, out_bits, noise=rows(noise))
   lead = values.shape[1:-1]
   elements = values.shape[-1] // packed_len(block, bits) * block
   return (v_M.reshape(*lead, packed_len(elements, out_bits)),
@@ -308,10 +314,7 @@ def _dequant_sum(values, scales, bits, block, dtype, rotate, name):
   v_KxMxBp, s_KxM = _slabs(values, scales, bits, block)
   if name == "xla":
     out = xla_rows.unrotate(xla_rows.sum_rows(v_KxMxBp, s_KxM, bits), rotate).astype(dtype)
-  elif name == "triton" and rotate:
-    out = xla_rows.unrotate(
-        kernel_choice.kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, jnp.float32), True).astype(dtype)
   else:
-    out = kernel_choice.kernels(name).dequant_sum_rows(v_KxMxBp, s_KxM, bits, dtype, **_opt(rotate=rotate))
+    out = _kernel(name, "dequant_sum_rows", v_KxMxBp, s_KxM, bits, rotate=rotate, dtype=dtype)
   elements = values.shape[-1] // packed_len(block, bits) * block
   return out.reshape(*values.shape[1:-1], elements)

@@ -41,6 +41,7 @@ import time
 import jax
 import numpy as np
 
+from zerojax import gpu_aot
 from zerojax.planner.cost import Workload
 from zerojax.planner.space import Point
 
@@ -100,7 +101,7 @@ def measure(executor, batch, reps: int = 3) -> tuple[float, int]:
   step = executor.step_fn()
   batch = jax.device_put(batch, executor.batch_sharding)
   compiled = step.lower(state, batch).compile()  # compiled once: the timed calls run this program
-  temp = getattr(compiled.memory_analysis(), "temp_size_in_bytes", 0)
+  mem = gpu_aot.memory(compiled)  # None where the platform analyses no memory
   state, m = compiled(state, batch)
   m.loss.block_until_ready()
   times = []
@@ -109,7 +110,7 @@ def measure(executor, batch, reps: int = 3) -> tuple[float, int]:
     state, m = compiled(state, batch)
     m.loss.block_until_ready()
     times.append(time.perf_counter() - t0)
-  return statistics.median(times), int(temp)
+  return statistics.median(times), mem["temp"] if mem else 0
 
 
 def per_plan(make_executor, points: list[Point], nodes: int, gpus: int, work: Workload, batch, *,
