@@ -66,7 +66,7 @@ import zerojax  # noqa: E402
 from zerojax import gpu_aot  # noqa: E402
 from zerojax.models.gpt import Block, GPTConfig, embed_tokens, gpt, head_loss  # noqa: E402
 from zerojax.planner import remat as remat_choice  # noqa: E402
-from zerojax.remat import ATTENTION  # noqa: E402
+from zerojax.engine.remat import ATTENTION  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the other benchmarks' helpers
@@ -77,7 +77,7 @@ PLANS = "dp,zero3,zeropp,mics"
 GPU = dict(d_model=2048, layers=12, heads=16, vocab=32000, seq=1024, batch=8, dtype="bfloat16",
            steps=8, reps=3)
 CPU = dict(d_model=64, layers=2, heads=4, vocab=256, seq=32, batch=None, dtype="float32", steps=3, reps=3)
-# remat as the plain step spells it: the policies zerojax's modes keep (`zerojax.remat`)
+# remat as the plain step spells it: the policies zerojax's modes keep (`zerojax.engine.remat`)
 POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
             "dots": jax.checkpoint_policies.save_from_both_policies(
                 jax.checkpoint_policies.dots_with_no_batch_dims_saveable,

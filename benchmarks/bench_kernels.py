@@ -53,7 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels import tuning  # noqa: E402
-from zerojax import quantization as Q  # noqa: E402
+from zerojax.quant import quantization as Q  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the other benchmarks' helpers
 from common import error_text, print_and_save, spread  # noqa: E402

@@ -31,7 +31,6 @@ References:
   ZeRO-Offload: Ren et al. 2021, §4 (what moves to the host), §6 (model sizes one GPU trains with it).
 """
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -50,7 +49,7 @@ import zerojax.plan as plans  # noqa: E402
 from zerojax import gpu_aot  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
-from zerojax.memory import memory_report  # noqa: E402
+from zerojax.executor.memory import memory_report  # noqa: E402
 from common import error_text, spread  # noqa: E402
 
 SETTINGS = ((), ("opt_state",), ("opt_state", "master"))
@@ -166,10 +165,9 @@ def fit_executor(args, layers: int, setting: tuple):
   d = args.d_model
   cfg = GPTConfig(vocab_size=32000, seq_len=args.seq, d_model=d, num_heads=d // 128, num_layers=layers)
   mesh = zerojax.make_mesh(1, 1, devices=jax.devices("cpu" if args.compile_only else None)[:1])
-  ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000), plans.dp(offload=setting, compute_dtype="bfloat16"),
-                        mesh)
-  if getattr(args, "bulk", False):  # every state fetched at once after the backward: the update before streaming
-    ex.components = dataclasses.replace(ex.components, offload=dataclasses.replace(ex.components.offload, stream=False))
+  update = "bulk" if getattr(args, "bulk", False) else "streamed"  # bulk: every state fetched at once
+  ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000),
+                        plans.dp(offload=setting, offload_update=update, compute_dtype="bfloat16"), mesh)
   return ex, np.random.default_rng(0).integers(0, 32000, (1, 1, args.seq + 1)).astype(np.int32)
 
 
@@ -319,7 +317,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--fit_probe", action="store_true", help="--fit's one try (run by --fit in a process of its own)")
   ap.add_argument("--fit_describe", action="store_true", help="--fit's device and host need (a process of its own)")
   ap.add_argument("--offload", default="opt_state,master", help="--fit_probe: the setting (or none)")
-  ap.add_argument("--bulk", action="store_true", help="--fit_probe: fetch every state at once (HostOffload.stream False)")
+  ap.add_argument("--bulk", action="store_true", help="--fit_probe: fetch every state at once (offload_update='bulk')")
   ap.add_argument("--host_fraction", type=float, default=0.85, help="--fit: of the host's memory, for the states")
   ap.add_argument("--max_probes", type=int, default=6, help="--fit: sizes tried with offload")
   ap.add_argument("--probe_timeout", type=float, default=900, help="--fit: seconds for one try")

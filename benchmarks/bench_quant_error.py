@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from zerojax import quantization as Q  # noqa: E402
+from zerojax.quant import quantization as Q  # noqa: E402
 
 
 def _errors(x, bits, block, backend):

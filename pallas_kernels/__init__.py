@@ -1,4 +1,4 @@
-"""Quantization kernels behind `zerojax.quantization`: Pallas (`block_quant`) and Triton.
+"""Quantization kernels behind `zerojax.quant.quantization`: Pallas (`block_quant`) and Triton.
 
 Both import on any machine. Their kernels are chosen by the platform a program is lowered for
 (`per_platform`): `block_quant`'s run in the Pallas interpreter when lowered for the CPU and compile

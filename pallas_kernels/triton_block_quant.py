@@ -1,7 +1,7 @@
 """Triton kernels for block-wise quantization, called through jax-triton (CUDA GPUs only).
 
 The same operations and the same arithmetic as `pallas_kernels.block_quant` and the reference in
-`zerojax.quantization` (the format of `pallas_kernels.block_format`, written again in Triton): scale =
+`zerojax.quant.quantization` (the format of `pallas_kernels.block_format`, written again in Triton): scale =
 absmax * fp32(1 / qmax) rounded up to 16 significant bits, codes the exactly rounded |x| / scale
 (the estimate rint(|x| * r), one `rcp.approx` r per block and a multiplication per element, corrected
 by exact comparisons), value = code * scale (exact), fp32 sums in slab order. Each program

@@ -1,5 +1,5 @@
 """The reference ("xla") backend of the block quantizers: plain jnp on `[rows, block]` tiles, the
-arithmetic of `pallas_kernels.block_format` (docs/quantization.md). `zerojax.quantization` runs it for
+arithmetic of `pallas_kernels.block_format` (docs/quantization.md). `zerojax.quant.quantization` runs it for
 backend "xla"; the Pallas, triton and Mosaic GPU kernels compute the same bits.
 
 References:

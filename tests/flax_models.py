@@ -8,7 +8,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from zerojax import layout as layout_lib
+from zerojax.engine import layout as layout_lib
 from zerojax.models.linen import linen_rngs
 
 D, CLASSES = 16, 4

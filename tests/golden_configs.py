@@ -11,7 +11,7 @@ import gin
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
 CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.gin") if p.stem != "base")  # base: no plan
-# The prefetch call order (`zerojax.prefetch.PREFETCH`: the GPU default for sharded parameters, a plan's
+# The prefetch call order (`zerojax.engine.prefetch.PREFETCH`: the GPU default for sharded parameters, a plan's
 # `prefetch=True` elsewhere) wherever it orders collectives: every config whose units gather parameters or
 # reduce gradients per unit. Not dp / zero1 (no collective inside the layer loops: the order changes
 # nothing but the loops' shape) nor auto (the planner builds its own plan). Stored in tests/golden/prefetch/.
@@ -28,7 +28,7 @@ OVERRIDES = (
 def build(config: str, prefetch: bool = False):
   """`configs/<config>.gin` with `OVERRIDES` parsed as `train.py` parses it (gin stays parsed): the
   executor `train` builds and `train`'s arguments. `prefetch=True`: the config's plan with
-  `prefetch=True` (the call order `zerojax.prefetch.PREFETCH`, the GPU default) instead of the CPU's
+  `prefetch=True` (the call order `zerojax.engine.prefetch.PREFETCH`, the GPU default) instead of the CPU's
   default (one call per layer); not for `auto`, whose plan the planner picks."""
   from zerojax.cli.account import build_executor, gin_train_args
   from zerojax.train import trainer

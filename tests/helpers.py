@@ -66,7 +66,7 @@ def capture_grads() -> optax.GradientTransformation:
 
 def sharded_grads(plan, mesh, model, params, batch):
   """The gradient one executor step hands to the optimizer, in the model's shapes, and the metrics."""
-  from zerojax import layout as layout_lib
+  from zerojax.engine import layout as layout_lib
   ex = zerojax.Executor(model, capture_grads(), plan, mesh, accum_steps=batch.shape[0])
   state, m = ex.step_fn()(ex.init_from_params(params), jax.device_put(batch, ex.batch_sharding))
   return layout_lib.to_logical(state.opt_state, ex.layout), m

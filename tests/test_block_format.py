@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import block_format
-from zerojax import quantization as Q
+from zerojax.quant import quantization as Q
 
 BLOCK = 64
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax import layout, plan as plans
+from zerojax.engine import layout
+from zerojax import plan as plans
 from zerojax.train import checkpoint, export, signals, state_spec
 from zerojax.models.gpt import gpt
 from tests import helpers

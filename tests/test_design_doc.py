@@ -32,8 +32,23 @@ def test_the_design_shows_the_float8_format_as_the_tree_holds_it():
   assert shown == format_block()
 
 
+def toy_block() -> str:
+  """The `ToySync` class as `tests/toy_sync.py` holds it (the worked example of a stateful technique)."""
+  src = (ROOT / "tests" / "toy_sync.py").read_text()
+  return src[src.index("@dataclasses.dataclass(frozen=True)\nclass ToySync("):]
+
+
+def test_the_design_shows_the_toy_stateful_technique_as_the_tree_holds_it():
+  text = (ROOT / "docs" / "DESIGN.md").read_text()
+  section = text[text.index("### Adding a stateful technique"):text.index("## Known debts")]
+  shown = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  assert shown == toy_block()
+
+
 if __name__ == "__main__":
   doc = ROOT / "docs" / "DESIGN.md"
   text = doc.read_text()
-  head = text.index("```python\n", text.index("## Wire formats")) + len("```python\n")
-  doc.write_text(text[:head] + format_block() + text[text.index("```", head):])
+  for heading, block in (("## Wire formats", format_block()), ("### Adding a stateful technique", toy_block())):
+    head = text.index("```python\n", text.index(heading)) + len("```python\n")
+    text = text[:head] + block + text[text.index("```", head):]
+  doc.write_text(text)

@@ -1,4 +1,4 @@
-"""DiLoCo (`outer_sync=diloco(...)`, `zerojax.outer_sync`): identities that pin the outer step down, the
+"""DiLoCo (`outer_sync=diloco(...)`, `zerojax.state.diloco`): identities that pin the outer step down, the
 inner step's program (nothing crosses nodes), per-replica state in checkpoints, and the plan's refusals."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import zerojax
 import zerojax.plan as plans
 from tests import helpers
 from zerojax.analysis import collectives_from_hlo
-from zerojax.memory import memory_report
-from zerojax.outer_sync import fragment_rows
+from zerojax.executor.memory import memory_report
+from zerojax.state.diloco import fragment_rows
 from zerojax.train import state_spec
 from zerojax.train.checkpoint import Checkpointer
 
@@ -84,10 +84,10 @@ def test_replicas_and_outer_update_match_plain_jax(outer, steps):
   if outer.overlap and outer.mix:  # the replicas differ after a mixed sync: the test would see a no-op
     assert helpers.max_rel_diff(reps[0], reps[1]) > 1e-4
   for r, want in enumerate(reps):
-    got = ex.to_user(jax.tree.map(lambda x, l: zerojax.layout.unflatten_leaf(x[r], l), state.params,
+    got = ex.to_user(jax.tree.map(lambda x, l: zerojax.engine.layout.unflatten_leaf(x[r], l), state.params,
                                   ex.layout.tree()))
     assert helpers.max_rel_diff(got, want) < 1e-5, r
-  got_outer = jax.tree.map(zerojax.layout.unflatten_leaf, state.stateful["outer"].params, ex.layout.tree())
+  got_outer = jax.tree.map(zerojax.engine.layout.unflatten_leaf, state.stateful["outer"].params, ex.layout.tree())
   assert helpers.max_rel_diff(ex.to_user(got_outer), outer_ref) < 1e-5
 
 
@@ -140,7 +140,7 @@ def test_quantized_outer_gradients_stay_within_their_bound(bits, bound):
   p = np.asarray(q.params["blocks"]["fc"]["kernel"])
   assert np.array_equal(p[0], p[1])
   ex0, init, _, _ = run(plans.diloco(every=2), helpers.optimizer("sgd"), 0)
-  logical = lambda s: jax.tree.map(zerojax.layout.unflatten_leaf, s.stateful["outer"].params, ex0.layout.tree())
+  logical = lambda s: jax.tree.map(zerojax.engine.layout.unflatten_leaf, s.stateful["outer"].params, ex0.layout.tree())
   moved = lambda s: jax.tree.map(lambda a, b: a - b, logical(s), logical(init))
   assert 0 < helpers.rel_l2(moved(q), moved(fp32)) < bound
 

@@ -16,12 +16,12 @@ import zerojax
 from pallas_kernels import hadamard
 from tests import helpers
 from tests.helpers import data
-from zerojax import layout as layout_lib
+from zerojax.engine import layout as layout_lib
 from zerojax.comm import formats
 from zerojax import plan as plans
-from zerojax import quantization as q
+from zerojax.quant import quantization as q
 from zerojax.comm import qgz
-from zerojax.memory import memory_report
+from zerojax.executor.memory import memory_report
 from zerojax.train import state_spec
 
 BLOCK = 32

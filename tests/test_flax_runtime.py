@@ -12,7 +12,7 @@ from jax import lax
 import zerojax
 from tests import flax_models as fm
 from tests import helpers
-from zerojax.layout import is_layout
+from zerojax.engine.layout import is_layout
 from zerojax.train import checkpoint, state_spec
 
 D, LAYERS = 96, 4
@@ -136,7 +136,7 @@ def test_collective_inside_a_unit(axis, match, mesh):
   """A unit that averages over an axis itself, one the step does not bind or one zerojax owns: one line
   naming the fix."""
   model = zerojax.Model(lambda r: {"u": {"w": jnp.ones((16, 16))}},
-                        lambda p, t: jnp.mean(zerojax.unit(lambda q, x: lax.pmean(x @ q["w"], axis))(p["u"], t)))
+                        lambda p, t: jnp.mean(zerojax.engine.unit(lambda q, x: lax.pmean(x @ q["w"], axis))(p["u"], t)))
   ex = zerojax.Executor(model, optax.sgd(0.1), zerojax.zero3(), mesh)
   with pytest.raises(ValueError, match=match) as e:
     ex.step_fn()(ex.init(jax.random.key(0)), np.ones((1, 8, 16), np.float32))
@@ -159,7 +159,7 @@ def test_loss_using_params_outside_a_unit(mesh):
   ex = zerojax.Executor(model, optax.sgd(0.1), zerojax.zero3(), mesh)
   with pytest.raises(ValueError, match="outside a ZeRO unit") as e:
     ex.step_fn()(ex.init(jax.random.key(0)), helpers.batches(1, 1)[0])
-  assert "zerojax.unit" in one_line(e)
+  assert "zerojax.engine.unit" in one_line(e)
 
 
 # -- checkpoints of the statistics and the rng ---------------------------------------------------

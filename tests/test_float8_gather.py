@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax import analysis, components, plan as plans
+from zerojax import analysis, plan as plans
+from zerojax.engine import components
 from tests import helpers
 
 FP8 = "float8_e4m3fn"

@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.golden_configs import CONFIGS, GOLDEN, PREFETCH, build  # noqa: E402
-from zerojax.train_state import STATEFUL  # noqa: E402
+from zerojax.state.train_state import STATEFUL  # noqa: E402
 
 # The fast suite runs ZeRO-3 in the prefetch order, which also checks its losses against the per-layer
 # golden values (`REASSOCIATION`); every other config and order is a regression guard of the full suite.

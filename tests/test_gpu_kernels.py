@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import gpu_aot, kernel_choice, quantization as Q
+from zerojax import gpu_aot
+from zerojax.quant import kernel_choice, quantization as Q
 
 BLOCK = 64
 N, G = 2, 4

@@ -1,6 +1,6 @@
 """One train step on the GPU with the GPU's default engine, against the unsharded single-device reference.
 
-On a GPU mesh `Plan.resolve` turns prefetch on (`zerojax.prefetch`'s call order `PREFETCH`) for every plan
+On a GPU mesh `Plan.resolve` turns prefetch on (`zerojax.engine.prefetch`'s call order `PREFETCH`) for every plan
 whose parameters are sharded; a flax `nn.scan` stack, whose layers flax calls one by one, falls back to
 per-layer calls (`Executor.prefetch_fallbacks`). `check_one_step` runs one step of ZeRO-3, ZeRO++, MiCS
 and a flax `nn.scan` model (under ZeRO-3) on the devices it is given, from the plan's defaults, and
@@ -45,7 +45,7 @@ import pytest
 import zerojax
 from tests import flax_models as fm
 from tests import helpers
-from zerojax import layout as layout_lib
+from zerojax.engine import layout as layout_lib
 from zerojax.models.gpt import GPTConfig, gpt
 
 CASES = ("zero3", "zeropp", "mics", "flax-scan")

@@ -20,7 +20,7 @@ import zerojax  # noqa: E402
 from tests import flax_models as fm  # noqa: E402
 from tests.doc_sections import code_blocks  # noqa: E402
 from tests import helpers  # noqa: E402
-from zerojax import layout as layout_lib  # noqa: E402
+from zerojax.engine import layout as layout_lib  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 8, 16
 

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 from zerojax import analysis, comm, mesh as mesh_lib, plan as plans
 from zerojax.comm import formats
-from zerojax.memory import memory_report
+from zerojax.executor.memory import memory_report
 from zerojax.train import checkpoint, state_spec
 from tests import helpers
 
@@ -251,7 +251,7 @@ def test_sync_in_backward_gives_the_same_bits_and_one_all_reduce_per_unit(plan, 
 
 
 def test_a_unit_called_twice_is_refused_with_sync_in_backward():
-  layer = zerojax.unit(lambda p, x: jnp.tanh(x @ p["w"]))
+  layer = zerojax.engine.unit(lambda p, x: jnp.tanh(x @ p["w"]))
 
   def loss(params, tokens):
     x = jax.nn.one_hot(tokens[:, 0] % 8, 8)

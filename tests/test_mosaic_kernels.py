@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pallas_kernels import block_format, mosaic_block_quant as MB
-from zerojax import gpu_aot, quantization as Q
+from zerojax import gpu_aot
+from zerojax.quant import quantization as Q
 
 MOSAIC = 'custom_call_target="mosaic_gpu_v2"'
 TRITON = ('custom_call_target="__gpu$xla.gpu.triton"', 'custom_call_target="triton_kernel_call"')
@@ -132,7 +133,7 @@ def test_gpu_kernels_give_the_xla_bits(block, dtype):
 
 def test_the_mosaic_backend_refuses_what_it_does_not_have():
   """backend='mosaic' runs int8 quantize and dequantize; every other op or option is one line naming the fix."""
-  from zerojax import quantization as Q
+  from zerojax.quant import quantization as Q
   x = jnp.ones((4, 64), jnp.float32)
   with pytest.raises(ValueError, match="int8 quantize and dequantize only.*use 'pallas' or 'xla'"):
     Q.quantize(x, 4, 64, backend="mosaic")

@@ -1,4 +1,4 @@
-"""Host offload (`Sharding.offload`, `zerojax.offload`): the optimizer states and fp32 master weights in
+"""Host offload (`Sharding.offload`, `zerojax.engine.offload`): the optimizer states and fp32 master weights in
 host memory change where the state lives, never what is trained; checkpoints move across the setting;
 memory_report counts host bytes apart. The compiled H100 program's side is in test_offload_gpu.py."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import zerojax
 import zerojax.plan as plans
 from tests import helpers
-from zerojax.memory import memory_report
-from zerojax.offload import HOST, HostOffload, check_supported
+from zerojax.executor.memory import memory_report
+from zerojax.engine.offload import HOST, HostOffload, check_supported
 from zerojax.planner.space import label
 from zerojax.train.checkpoint import Checkpointer
 

@@ -89,8 +89,8 @@ def test_streamed_update_writes_the_donated_host_buffers_in_place(monkeypatch):
 
   import zerojax
   import zerojax.plan as plans
-  from zerojax import layout, offload
-  from zerojax.memory import memory_report
+  from zerojax.engine import layout, offload
+  from zerojax.executor.memory import memory_report
   from zerojax.models.gpt import GPTConfig, gpt
   from zerojax.train.optim import make_optimizer
 

@@ -1,4 +1,4 @@
-"""The streamed offloaded update (`zerojax.step`'s `_streamed_update`, `zerojax.offload.global_scalars` /
+"""The streamed offloaded update (`zerojax.executor.step`'s `Steps._streamed_update`, `zerojax.engine.offload.global_scalars` /
 `run_chunk`): chunk by chunk, it computes what the whole update computes, bit for bit, for dp and a flax
 model (zero3 and mics: tests/test_offload.py); an optimizer that reduces its own states is refused."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import zerojax
 import zerojax.plan as plans
 from tests import flax_models as fm
 from tests import helpers
-from zerojax import offload
+from zerojax.engine import offload
 
 BOTH = ("opt_state", "master")
 

@@ -5,7 +5,7 @@ import pytest
 
 import zerojax
 from zerojax import plan as plans
-from zerojax.memory import memory_report
+from zerojax.executor.memory import memory_report
 from tests import helpers
 
 

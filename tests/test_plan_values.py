@@ -1,4 +1,4 @@
-"""A plan is five values (`zerojax.plan_values`) plus the rules between them (`Plan._check_across`):
+"""A plan is five values (`zerojax.plan.values`) plus the rules between them (`Plan._check_across`):
 settings round-trip through their flat names, each value refuses its own bad settings, and a setting two
 values hold is one setting."""
 import dataclasses
@@ -7,7 +7,7 @@ import pytest
 
 import zerojax
 from zerojax import plan as plans
-from zerojax.plan_values import Gather, Reduction, Schedule, Sharding
+from zerojax.plan.values import Gather, Reduction, Schedule, Sharding
 
 VARIANTS = [plans.dp(), plans.zero1(), plans.zero2(), plans.zero3(), plans.mics(), plans.mics(group_size=8),
             plans.zeropp(), plans.zeropp(grad_bits=(8, 4), weight_bits=4, rotate=True, grad_error_feedback=True),

@@ -9,7 +9,7 @@ import pytest
 
 import zerojax
 from zerojax import planner
-from zerojax.memory import memory_report
+from zerojax.executor.memory import memory_report
 from zerojax.planner import cost
 from zerojax.planner.solve import point_of
 from tests import helpers

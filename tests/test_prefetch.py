@@ -13,7 +13,7 @@ import pytest
 import zerojax
 from tests import flax_models as fm
 from tests import helpers
-from zerojax import layout as layout_lib
+from zerojax.engine import layout as layout_lib
 from zerojax.analysis.hlo_text import OPS, Module, arrays, attr, nbytes
 from zerojax.models.gpt import GPTConfig, gpt
 

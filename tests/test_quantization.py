@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax import kernel_choice, quantization as Q
+from zerojax.quant import kernel_choice, quantization as Q
 
 BLOCK = 64
 N, G = 2, 4

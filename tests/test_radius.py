@@ -16,8 +16,9 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import analysis, comm, layout as layout_lib, plan as plans
-from zerojax.memory import memory_report
+from zerojax import analysis, comm, plan as plans
+from zerojax.engine import layout as layout_lib
+from zerojax.executor.memory import memory_report
 from zerojax.planner.space import Point
 from zerojax.train import checkpoint, state_spec
 from zerojax.train.optim import decay_mask

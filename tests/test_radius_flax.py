@@ -15,7 +15,8 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import comm, layout as layout_lib
+from zerojax import comm
+from zerojax.engine import layout as layout_lib
 from tests import helpers
 
 V, D, T, LAYERS = 256, 32, 8, 3

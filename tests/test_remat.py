@@ -10,7 +10,8 @@ import pytest
 import zerojax
 from tests import helpers
 from zerojax import plan as plans
-from zerojax import remat
+from zerojax.engine import remat
+from zerojax.plan.values import REMAT
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_compiled_recompute_and_memory(setup):
   re-gathers the weights in every mode."""
   mesh, model, params, batch, _ = setup
   dots, temp, gathers = {}, {}, {}
-  for mode in remat.MODES:
+  for mode in REMAT:
     ex = zerojax.Executor(model, optax.sgd(1.0), plans.zero3(param_dtype="float32", remat=mode), mesh, accum_steps=2)
     compiled = ex.step_fn().lower(ex.init_from_params(params), jax.device_put(batch, ex.batch_sharding)).compile()
     hlo = compiled.as_text()

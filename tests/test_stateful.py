@@ -1,4 +1,4 @@
-"""Stateful components (`zerojax.stateful`): each kind owns one train-state field, declares its state's
+"""Stateful components (`zerojax.state.stateful`): each kind owns one train-state field, declares its state's
 shardings, checkpoint leaves and bytes consistently, and the executor, the checkpoint spec and the
 memory report reach it only through the protocol.
 """
@@ -15,10 +15,10 @@ import pytest
 import zerojax
 import zerojax.plan as plans
 from tests import helpers
-from zerojax.memory import memory_report
-from zerojax.stateful import Stateful
+from zerojax.executor.memory import memory_report
+from zerojax.state.stateful import Stateful
 from zerojax.train import state_spec
-from zerojax.train_state import STATEFUL, TrainState
+from zerojax.state.train_state import STATEFUL, TrainState
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # MiCS in groups of 2 nodes on 4 x 2: qgZ with two hops and error feedback, and Radius over 2 replicas.
@@ -47,7 +47,7 @@ def test_the_step_the_checkpoints_and_the_memory_report_name_no_component():
   words = {w for kind in STATEFUL for w in (kind.name, kind.__name__, kind.setting.split("=")[0])}
   engine = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "zerojax/executor").glob("*.py"))
   assert len(engine) >= 3, engine
-  for path in (*engine, "zerojax/train/state_spec.py", "zerojax/memory.py"):
+  for path in (*engine, "zerojax/train/state_spec.py", "zerojax/executor/memory.py"):
     text = (ROOT / path).read_text()
     assert [w for w in words if w in text] == [], path
   techniques = {"diloco", "DiLoCo", "Diloco", "radius", "Radius", "replica_sync", "outer_sync", "error_feedback",
@@ -117,3 +117,33 @@ def test_both_components_in_one_step(both):
   assert phases == ["dense", "select", "sparse"]
   assert int(state.stateful["radius"].selected_at) == 1
   assert any(float(np.abs(np.asarray(r)).max()) > 0 for r in jax.tree.leaves(state.stateful["radius"].residual))
+
+
+def test_a_new_stateful_technique_is_one_file_and_its_registration():
+  """docs/DESIGN.md's worked example: `tests/toy_sync.py` (a replica sync run by the component every other
+  step) registered by one entry in `STATEFUL`; the executor, the checkpoint spec and the memory report take
+  it unchanged, and its steps give the dense sync's bits."""
+  from tests.toy_sync import ToySync
+  STATEFUL.append(ToySync)
+  try:
+    mesh, model = zerojax.make_mesh(2, 4), helpers.tiny_gpt()
+    ex = zerojax.Executor(model, optax.adamw(1e-3), plans.Plan("toy", **plans.mics().settings()), mesh)
+    ref = zerojax.Executor(model, optax.adamw(1e-3), plans.mics(), mesh)
+    assert list(ex.stateful) == ["toy"] and ref.stateful == {}
+    state, want = ex.init(jax.random.key(0)), ref.init(jax.random.key(0))
+    rng, phases = np.random.default_rng(0), []
+    for _ in range(4):
+      batch = rng.integers(0, 64, (1, 8, 17)).astype(np.int32)
+      phases.append(ex.phase(state))
+      state, _ = ex.step_fn()(state, batch)
+      want, _ = ref.step_fn()(want, batch)
+    assert phases == ["dense", "toy", "dense", "toy"] and int(state.stateful["toy"]) == 2
+    for a, b in zip(jax.tree.leaves(ex.logical_params(state)), jax.tree.leaves(ref.logical_params(want))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    stored = state_spec.logical_state(ex, state)
+    assert int(stored["toy"]) == 2  # stored at the top level under its name
+    back = state_spec.state_from_logical(ex, stored)
+    assert int(back.stateful["toy"]) == 2
+    assert memory_report(ex)["expected"]["toy"] == 4
+  finally:
+    STATEFUL.remove(ToySync)

@@ -6,7 +6,7 @@ with the options a GPU run uses (nothing runs), and prints per collective: op, d
 inside a layer loop or not, the matmuls and kernels scheduled between its start and done
 (`zerojax.analysis.schedule`); the layer loops' overlap per role; the kernels compiled; the most gathered
 weights alive at once; and the compiled per-device memory (arguments, outputs, temporaries, peak; and
-in host memory, with `offload`) beside `zerojax.memory.memory_report`'s model-state bytes; the remat mode
+in host memory, with `offload`) beside `zerojax.executor.memory.memory_report`'s model-state bytes; the remat mode
 and why (`remat="auto"` picks by the compiled peak, `zerojax.planner.remat`); the XLA options. `--json` prints it all as JSON, `--dump_hlo FILE`
 writes the scheduled GPU program.
 """
@@ -22,7 +22,7 @@ from zerojax.cli import account
 from zerojax.analysis import collectives_from_hlo
 from zerojax.analysis.schedule import (gathered_alive, kernel_counts, merged_backward_gathers, overlap_summary,
                                        schedule_from_hlo)
-from zerojax.memory import memory_report
+from zerojax.executor.memory import memory_report
 
 GB = 1e9
 

@@ -9,7 +9,7 @@
 | `wire`   | raw 16-bit words and packed quantized buffers on the wire        | ZeRO++ §4.2        |
 | `radius` | sparse replica all-reduce: top-k window, compact sum, residual   | Radius §4, Alg. 1  |
 
-This layer imports only `zerojax.quantization` (the kernels' front), `zerojax.mesh` and, for qgZ's stochastic
+This layer imports only `zerojax.quant.quantization` (the kernels' front), `zerojax.mesh` and, for qgZ's stochastic
 rounding noise, `pallas_kernels.hadamard`.
 """
 from zerojax.comm import formats, radius

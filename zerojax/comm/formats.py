@@ -32,7 +32,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from zerojax import quantization as q
+from zerojax.quant import quantization as q
 from zerojax.comm.wire import pack_wire, unpack_wire
 
 
@@ -133,7 +133,7 @@ class WireFormat(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class BlockInt(WireFormat):
-  """Symmetric int8 / int4 codes with one fp32 scale per block (ZeRO++ §3.1): `zerojax.quantization`,
+  """Symmetric int8 / int4 codes with one fp32 scale per block (ZeRO++ §3.1): `zerojax.quant.quantization`,
   whose kernels fuse qgZ's steps (§4.2). int4 codes are packed two per byte."""
   bits: int = 8
 

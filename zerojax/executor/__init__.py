@@ -15,7 +15,7 @@ Per step, inside one `jax.shard_map` over the ("node", "gpu") mesh:
 3. outside the shard_map, on sharded global arrays under `jit`: any elementwise optax transformation
    updates the master weights and optimizer states, so global reductions such as
    `clip_by_global_norm` are correct without hand-written collectives. It sees the user's tree, each leaf
-   with its logical rank (`zerojax.logical`). A step whose loss or gradients are not finite is skipped
+   with its logical rank (`zerojax.engine.logical`). A step whose loss or gradients are not finite is skipped
    (state unchanged) and counted.
 
 A batch is any pytree whose leaves lead with `[accum, global_batch, ...]`, sharded over all data axes.
@@ -23,8 +23,8 @@ Each micro-batch gets an rng folded by step, micro-step and data-parallel rank; 
 collections (BatchNorm statistics) are carried through the micro-batches on each device and averaged
 over the devices at the end of the step, as data-parallel training with per-device statistics does.
 
-State across steps belongs to the plan's stateful components (`zerojax.stateful`, listed in
-`zerojax.train_state`), each in its own field of the train state: the executor creates, shards, passes
+State across steps belongs to the plan's stateful components (`zerojax.state.stateful`, listed in
+`zerojax.state.train_state`), each in its own field of the train state: the executor creates, shards, passes
 and updates it through their `init`, `specs`, `body_in`, `sync` and `update`. A component may pick the
 step's program on the host (`phase`): each step runs the program of its phase, compiled on first use.
 
@@ -37,16 +37,16 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from zerojax import components as components_lib, layout as layout_lib, logical as logical_lib
+from zerojax.engine import components as components_lib, layout as layout_lib, logical as logical_lib
 from zerojax import mesh as mesh_lib
 from zerojax.executor.states import TrainStates
 from zerojax.executor.step import StepMetrics, Steps  # noqa: F401  (StepMetrics re-exported)
 from zerojax.mesh import axis_sizes
-from zerojax.model import Model, identity
-from zerojax.placement import Placement
+from zerojax.engine.model import Model, identity
+from zerojax.state.placement import Placement
 from zerojax.plan import Plan
-from zerojax.train_state import TrainState, stateful_components
-from zerojax.unit import UnitMeta
+from zerojax.state.train_state import TrainState, stateful_components
+from zerojax.engine.unit import UnitMeta
 
 
 class Executor:
@@ -55,7 +55,7 @@ class Executor:
   Args:
     model: the model, written as ZeRO units.
     optimizer: an elementwise optax `GradientTransformation`; it sees the user's tree with each leaf's
-      logical rank (`zerojax.logical`), and one that needs more of a leaf's shape is refused.
+      logical rank (`zerojax.engine.logical`), and one that needs more of a leaf's shape is refused.
     plan: the sharding plan.
     mesh: the ("node", "gpu") mesh (or a factoring of it); the executor factors it further for plans
       that name groups by size, and keeps the result as `self.mesh`.
@@ -63,11 +63,11 @@ class Executor:
 
   Attributes:
     plan, mesh: the plan resolved on the (factored) mesh.
-    components: the plan compiled for the mesh (`zerojax.components.compile`); nothing after reads the plan.
+    components: the plan compiled for the mesh (`zerojax.engine.components.compile`); nothing after reads the plan.
     layout: the parameter layout; `param_specs` its PartitionSpecs over A_os.
     metas: `{unit: UnitMeta}`, the components bound to each unit's leaves.
     stateful: `{TrainState field: component}`, the plan's stateful components.
-    placement: where the train state lives (`zerojax.placement`: one copy or one per replica; host offload).
+    placement: where the train state lives (`zerojax.state.placement`: one copy or one per replica; host offload).
     states: the train state's creation, shardings and views (`TrainStates`).
     steps: the step and evaluation programs (`Steps`).
     planner_rows: the planner's ranked table when `auto()` chose this executor's plan (set by the trainer,
@@ -171,8 +171,8 @@ class Executor:
 
   def prefetch_fallbacks(self) -> dict[str, str]:
     """`{unit: why}` for the scanned units that run per layer although the plan prefetches by default
-    (their layers are called one by one: flax `nn.scan`, a `lax.scan` of `zerojax.unit`); known once a
+    (their layers are called one by one: flax `nn.scan`, a `lax.scan` of `zerojax.engine.unit`); known once a
     step or eval program has been traced. An explicit `prefetch=True` raises for such a unit instead."""
-    return {u: f"its layers are called one by one by {m.fallbacks[0]} (not zerojax.scan_layers): each "
+    return {u: f"its layers are called one by one by {m.fallbacks[0]} (not zerojax.engine.scan_layers): each "
                "layer gathers when it runs (prefetch off for this unit)"
             for u, m in self.metas.items() if m.fallbacks}

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import layout as layout_lib
-from zerojax.model import Model
-from zerojax.placement import Placement
-from zerojax.train_state import TrainState
+from zerojax.engine import layout as layout_lib
+from zerojax.engine.model import Model
+from zerojax.state.placement import Placement
+from zerojax.state.train_state import TrainState
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -28,9 +28,9 @@ class TrainStates:
 
   Attributes:
     model: the model (its units' `init`, mutable collections, rng use, user-tree views).
-    optimizer: the optimizer on the flat layout (`zerojax.logical.logical_optimizer`).
+    optimizer: the optimizer on the flat layout (`zerojax.engine.logical.logical_optimizer`).
     layout: the parameter layout.
-    placement: where each field lives (`zerojax.placement`).
+    placement: where each field lives (`zerojax.state.placement`).
     stateful: `{TrainState field: component}`, the plan's stateful components.
   """
   model: Model

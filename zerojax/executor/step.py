@@ -23,13 +23,14 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import gpu_aot, layout as layout_lib, logical as logical_lib, offload as offload_lib
-from zerojax.components import Components
-from zerojax.model import Model, call_loss, identity
-from zerojax.placement import Placement
-from zerojax.stateful import InBackward, Phased, ReplacesWeights, SyncsReplicas, keep
-from zerojax.train_state import TrainState
-from zerojax.unit import ShardedUnit
+from zerojax import gpu_aot
+from zerojax.engine import layout as layout_lib, logical as logical_lib, offload as offload_lib
+from zerojax.engine.components import Components
+from zerojax.engine.model import Model, call_loss, identity
+from zerojax.state.placement import Placement
+from zerojax.state.stateful import InBackward, Phased, ReplacesWeights, SyncsReplicas, keep
+from zerojax.state.train_state import TrainState
+from zerojax.engine.unit import ShardedUnit
 
 
 class StepMetrics(NamedTuple):
@@ -44,11 +45,11 @@ class Steps:
 
   Args:
     model: the model, written as ZeRO units.
-    optimizer: the optimizer on the flat layout (`zerojax.logical.logical_optimizer`).
+    optimizer: the optimizer on the flat layout (`zerojax.engine.logical.logical_optimizer`).
     user_optimizer: the optimizer as the user gave it (the streamed offloaded update runs it per chunk).
     layout: the parameter layout.
-    components: the plan compiled for the mesh (`zerojax.components.compile`).
-    placement: where the train state lives (`zerojax.placement`).
+    components: the plan compiled for the mesh (`zerojax.engine.components.compile`).
+    placement: where the train state lives (`zerojax.state.placement`).
     stateful: `{TrainState field: component}`, the plan's stateful components.
     metas: `{unit: UnitMeta}`, the components bound to each unit's leaves.
     accum_steps: micro-batches per optimizer step.

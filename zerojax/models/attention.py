@@ -15,8 +15,8 @@ it) is the one call the built-in GPT and the recipes for users' models (docs/fla
 - `"einsum"`: the scores written out (two einsums, a masked fp32 softmax), the reference the other
   forms are tested against (tests/test_attention.py).
 
-The output is named `zerojax.remat.ATTENTION` (`checkpoint_name`), so a remat policy keeps it instead
-of recomputing the attention in the backward (`zerojax.remat`, "dots"; `jax.checkpoint_policies.
+The output is named `zerojax.engine.remat.ATTENTION` (`checkpoint_name`), so a remat policy keeps it instead
+of recomputing the attention in the backward (`zerojax.engine.remat`, "dots"; `jax.checkpoint_policies.
 save_only_these_names(ATTENTION)` for a user's own `jax.checkpoint`).
 
 References:
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from zerojax.remat import ATTENTION
+from zerojax.engine.remat import ATTENTION
 
 IMPLEMENTATIONS = ("auto", "cudnn", "xla", "einsum")
 

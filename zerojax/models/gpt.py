@@ -1,6 +1,6 @@
 """A GPT-style decoder written as ZeRO units: embed, scanned blocks, head.
 
-The flax modules are used as pure functions of their parameters; each is wrapped in `zerojax.unit`, so
+The flax modules are used as pure functions of their parameters; each is wrapped in `zerojax.engine.unit`, so
 the same `loss` runs unsharded (reference) and under any plan of the executor.
 
 References:
@@ -14,10 +14,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zerojax.model import Model
+from zerojax.engine.model import Model
 from zerojax.models.attention import attention
-from zerojax.scan_layers import scan_layers
-from zerojax.unit import unit
+from zerojax.engine.scan_layers import scan_layers
+from zerojax.engine.unit import unit
 
 
 @dataclasses.dataclass(frozen=True)

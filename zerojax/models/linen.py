@@ -4,7 +4,7 @@ The user keeps their module and their parameter tree and names which submodules 
 (`units=(Block,)`) or by path (`"encoder/layers_0"`); an `nn.scan`-ed stack of them becomes one scanned
 unit. Parameters outside the named units form one root unit (FSDP's root wrap): they are gathered at the
 start of each micro-batch and kept until its backward ends. Inside the executor every call of a unit
-module is intercepted (`nn.intercept_methods`) and becomes a `zerojax.unit` call that gathers the
+module is intercepted (`nn.intercept_methods`) and becomes a `zerojax.engine.unit` call that gathers the
 unit's shards, runs the module's own method on them, and reduces its gradient in backward (ZeRO,
 Rajbhandari et al. 2020, §5.3). With plain parameters nothing is intercepted: the same loss is the
 module's ordinary `apply`, the single-device reference.
@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core.scope import LazyRng
 
-from zerojax.model import Model
+from zerojax.engine.model import Model
 from zerojax.models.checks import bound_axes, check_linen_module, loss_form, rng_streams
-from zerojax.unit import ShardedUnit, unit
+from zerojax.engine.unit import ShardedUnit, unit
 
 ROOT = "_root"
 

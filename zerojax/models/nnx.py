@@ -4,7 +4,7 @@ As `zerojax.from_linen`: the user names the ZeRO units by module type or path, k
 parameter tree (`nnx.to_pure_dict` of the `nnx.Param` state), and writes `loss_fn(apply, batch, rng) ->
 loss or (loss, aux)`. Parameters outside the units form the root unit (FSDP's root wrap). Inside the
 executor the model is rebuilt (`nnx.merge`) each micro-batch with every unit's parameters left as shards;
-a call of a unit instance (`__call__`) becomes a `zerojax.unit` call that rebuilds the unit from its
+a call of a unit instance (`__call__`) becomes a `zerojax.engine.unit` call that rebuilds the unit from its
 gathered parameters, runs it, and writes its other state (BatchNorm statistics, rng counts) back into the
 model (ZeRO, Rajbhandari et al. 2020, §5.3).
 
@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zerojax.model import Model
+from zerojax.engine.model import Model
 from zerojax.models.checks import check_nnx_module, loss_form
 from zerojax.models.linen import (ShardLeaf, check_unit_state, linen_rngs, merge_user, shape_struct, split_user,
                                   to_dict, user_tree)
-from zerojax.unit import ShardedUnit, unit
+from zerojax.engine.unit import ShardedUnit, unit
 
 _COLLECTIONS = {"batch_stats": nnx.BatchStat, "params": nnx.Param}
 

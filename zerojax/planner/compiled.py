@@ -22,8 +22,8 @@ import optax
 
 from zerojax import gpu_aot, mesh as mesh_lib
 from zerojax.executor import Executor
-from zerojax.model import Model
-from zerojax.memory import memory_report
+from zerojax.engine.model import Model
+from zerojax.executor.memory import memory_report
 from zerojax.planner.solve import point_of
 from zerojax.planner.space import Point
 
@@ -44,7 +44,7 @@ def memory(point: Point, model: Model, seq_len: int, nodes: int, gpus: int, targ
            batch_per_device: int = 1, optimizer: optax.GradientTransformation | None = None,
            **plan_fields) -> dict:
   """Per-device bytes of `point`'s compiled train step: argument, output, alias, temp, peak
-  (`gpu_aot.memory`), the model states the executor lays out (`model_states`, `zerojax.memory`), the
+  (`gpu_aot.memory`), the model states the executor lays out (`model_states`, `zerojax.executor.memory`), the
   plan's name and the seconds to compile. A step is `accum` micro-batches of `batch_per_device`
   sequences of `seq_len` tokens per device."""
   if accum < 1 or batch_per_device < 1:

@@ -77,7 +77,7 @@ def predict(coef: np.ndarray, pt: Point, work: Workload) -> float:
 def quant_rate(elements: int = 1 << 20, bits: int = 8, reps: int = 3) -> float:
   """Seconds per element of one block quantize + dequantize (qwZ/qgZ's kernels, ZeRO++ §4.2) on this
   process's first device: the median of `reps` runs after a warm-up."""
-  from zerojax import quantization
+  from zerojax.quant import quantization
   from zerojax.planner.space import BLOCK
 
   @jax.jit

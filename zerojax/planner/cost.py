@@ -43,7 +43,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from zerojax.plan import Radius
-from zerojax.plan_values import Reduction
+from zerojax.plan.values import Reduction
 from zerojax.planner.space import Point
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from zerojax import gpu_aot
 from zerojax.executor import Executor
-from zerojax.model import Model
+from zerojax.engine.model import Model
 from zerojax.plan import Plan
 
 ORDER = ("none", "dots", "full")  # least recompute first

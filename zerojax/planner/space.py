@@ -59,7 +59,7 @@ from zerojax import mesh as mesh_lib
 from zerojax.comm import formats
 from zerojax.mesh import AXES
 from zerojax.plan import Diloco, Plan, diloco, radius
-from zerojax.plan_values import Gather, Reduction, ReplicaSync, Sharding
+from zerojax.plan.values import Gather, Reduction, ReplicaSync, Sharding
 
 BLOCK = 256  # elements per qwZ/qgZ quantization block (the Plan defaults)
 OFFLOAD = ("opt_state", "master")  # what a point with `offload` keeps in host memory (`Sharding.offload`)

@@ -6,7 +6,7 @@ import os
 import jax
 import numpy as np
 
-from zerojax.layout import path_names
+from zerojax.engine.layout import path_names
 from zerojax.train.state_spec import SEP
 
 

@@ -5,7 +5,7 @@ import gin
 import jax
 import optax
 
-from zerojax.layout import path_names
+from zerojax.engine.layout import path_names
 
 # Leaves whose name ends with one of these get weight decay; biases and LayerNorm scales do not.
 DECAYED = ("kernel", "wte", "wpe", "w_out")

@@ -10,7 +10,7 @@ any of them: orbax reads each array straight into the target's shardings (every 
 what its devices hold), then the target executor's layout flattens, pads and shards it. State that an
 executor derives from the master weights is never stored.
 
-The state of a stateful component (`zerojax.stateful`) is stored under the component's name as the
+The state of a stateful component (`zerojax.state.stateful`) is stored under the component's name as the
 component declares it (`Stateful.stored`: each leaf's stored shape, dtype, sharding and conversions, the
 saved shapes it also restores from, its value when a checkpoint lacks it). A checkpoint without a
 component's state restores into a run that has the component (it starts fresh); one with a component's
@@ -39,9 +39,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import layout as layout_lib, logical as logical_lib
-from zerojax.stateful import Stored
-from zerojax.train_state import STATEFUL
+from zerojax.engine import layout as layout_lib, logical as logical_lib
+from zerojax.state.stateful import Stored
+from zerojax.state.train_state import STATEFUL
 
 FORMAT = 1
 SEP = "/"

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from zerojax.planner.space import label
 from zerojax.executor import Executor
-from zerojax.memory import memory_report
+from zerojax.executor.memory import memory_report
 from zerojax.mesh import make_mesh
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax import planner

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 
-from zerojax.model import Model
+from zerojax.engine.model import Model
 from zerojax.train.config import ConfigError
 
 _FORM = "pass FILE.py:FUNCTION or package.module:FUNCTION, e.g. --model=my_model.py:build"

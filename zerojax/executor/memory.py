@@ -10,14 +10,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from zerojax import layout as layout_lib
-from zerojax.executor import Executor
+from zerojax.engine import layout as layout_lib
 from zerojax.mesh import group_size
-from zerojax.offload import HOST, sharding_kind
-from zerojax.train_state import STATEFUL, TrainState
+from zerojax.engine.offload import HOST, sharding_kind
+from zerojax.state.train_state import STATEFUL, TrainState
 
 
-def in_flight(ex: Executor, host: int) -> int:
+def in_flight(ex, host: int) -> int:
   """The most offloaded bytes per device the step holds on the device at once: with the streamed update
   (docs/offload.md) the three largest chunks' (a unit, or one layer of a scanned unit; a chunk's unit
   fetch waits on the store of the unit two before it), with a stateful component (or `HostOffload.stream`
@@ -35,7 +34,7 @@ def in_flight(ex: Executor, host: int) -> int:
   return host * sum(sorted(chunks)[-3:]) // numel
 
 
-def memory_report(ex: Executor, state: TrainState | None = None) -> dict:
+def memory_report(ex, state: TrainState | None = None) -> dict:
   """Bytes per device of parameters, gradients and optimizer states (master weights included); `host`
   of them in host memory (`Sharding.offload`), `device` the rest.
 

@@ -28,10 +28,10 @@ Pallas; the triton and mosaic kernels refuse it).
 Four backends compute the same arithmetic and agree bit for bit: "xla" (plain jnp,
 `pallas_kernels.xla_rows`, the reference), "pallas" (`pallas_kernels.block_quant`, interpreted on CPU),
 "triton" (`pallas_kernels.triton_block_quant`, GPU only) and "mosaic" (`pallas_kernels.mosaic_block_quant`,
-int8 quantize and dequantize on sm_90+ GPUs). `zerojax.kernel_choice` picks one per op:
+int8 quantize and dequantize on sm_90+ GPUs). `zerojax.quant.kernel_choice` picks one per op:
 `backend=kernel_choice.FASTEST` runs each op with the fastest backend of the measured GPU table that can
 be compiled for it (`kernel_choice.gpu_default`, `pallas_kernels.kernel_table`): what the components
-pass on a mesh of GPUs (`zerojax.components`), and what `backend=None` (the default) means where jax's
+pass on a mesh of GPUs (`zerojax.engine.components`), and what `backend=None` (the default) means where jax's
 default backend is a GPU; elsewhere None means "xla". A call's `backend=`, a plan's `kernel_backend`,
 or for the process the environment variable ZEROJAX_KERNEL_BACKEND name one backend for every op instead.
 
@@ -50,8 +50,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import hadamard, xla_rows
 from pallas_kernels.block_format import qmax_of, trim_scale  # noqa: F401  (the format's public names)
-from zerojax import kernel_choice
-from zerojax.kernel_choice import Backend
+from zerojax.quant import kernel_choice
+from zerojax.quant.kernel_choice import Backend
 
 def packed_len(elements: int, bits: int) -> int:
   """Length of the stored value axis for `elements` codes."""

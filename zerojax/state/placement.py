@@ -9,7 +9,7 @@ divided by the devices of one replica, and the step's metrics stay one per repli
 which axes the replicas train apart over (`Components.replicas_apart`, decided by `components.compile`
 from the plan); `of` builds the placement from them.
 
-The placement also carries the host offload (`zerojax.offload.HostOffload`, ZeRO-Offload §4): which
+The placement also carries the host offload (`zerojax.engine.offload.HostOffload`, ZeRO-Offload §4): which
 train-state fields live in host memory, and their moves to the device and back.
 
 References:
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.mesh import group_size
-from zerojax.offload import HostOffload
-from zerojax.stateful import keep
+from zerojax.engine.offload import HostOffload
+from zerojax.state.stateful import keep
 
 REPLICATED_FIELDS = ("params", "opt_state", "skipped")  # the train-state fields that hold one copy per replica
 

@@ -2,7 +2,7 @@
 per platform ("xla" on CPUs; on GPUs, per op, the fastest of the measured table that compiles there).
 
 Backends ("xla", "pallas", "triton", and "mosaic" for int8 quantize/dequantize) compute the same
-arithmetic (`pallas_kernels.block_format`); see `zerojax.quantization` and docs/quantization.md.
+arithmetic (`pallas_kernels.block_format`); see `zerojax.quant.quantization` and docs/quantization.md.
 
 References:
   ZeRO++: Wang et al. 2023, §4.2 (fused quantization kernels).

@@ -1,13 +1,13 @@
 """Prefetch inside the layer scan: the next layer's gather and the previous layer's gradient reduction
 run beside the current layer's compute (`Schedule.prefetch`).
 
-`zerojax.scan_layers` runs a scanned unit's whole stack, with `prefetch=True`, as one call of the unit's
-engine (`zerojax.unit.sharded_call`) under the call order `PREFETCH` defined here, which orders the same components
+`zerojax.engine.scan_layers` runs a scanned unit's whole stack, with `prefetch=True`, as one call of the unit's
+engine (`zerojax.engine.unit.sharded_call`) under the call order `PREFETCH` defined here, which orders the same components
 (`ParamGather.forward`, `call_forward`, `ParamGather.backward`, `call_backward`, `reduce_and_sync`) across layers:
 
 - forward: layer 0 is gathered before the loop; iteration i gathers layer i+1 into the loop carry while
   layer i computes on the carried weights, so the gather has no data dependence on layer i's compute and
-  at most two gathered layers are alive. Residuals as in `zerojax.unit`, per layer: the primary shard
+  at most two gathered layers are alive. Residuals as in `zerojax.engine.unit`, per layer: the primary shard
   (hpZ: the secondary shard of the gathered weights) and what `Schedule.remat` keeps (the layer's input, or
   its activations), never the gathered weights.
 - backward: layer L-1 is gathered before the loop; iteration i gathers layer i-1 ahead (hpZ: inside the
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zerojax.unit import (CallOrder, UnitMeta, call_backward, call_forward, ordered_after, reduce_and_sync,
+from zerojax.engine.unit import (CallOrder, UnitMeta, call_backward, call_forward, ordered_after, reduce_and_sync,
                           shard_cotangents, sync_replicas)
 
 

@@ -1,8 +1,8 @@
 """`scan_layers(f, params, x)`: `x = f(params[i], x)` over the layers of a scanned unit.
 
 With plain params it is `lax.scan`; with a `ShardedUnit` and `prefetch=False` each layer is a
-`zerojax.unit` call (it gathers when it runs); with `Schedule.prefetch` the whole stack is one call of
-the unit's engine under the call order `zerojax.prefetch.PREFETCH`, which gathers layer i±1 while layer i
+`zerojax.engine.unit` call (it gathers when it runs); with `Schedule.prefetch` the whole stack is one call of
+the unit's engine under the call order `zerojax.engine.prefetch.PREFETCH`, which gathers layer i±1 while layer i
 computes.
 
 References:
@@ -15,8 +15,8 @@ from typing import Any
 
 from jax import lax
 
-from zerojax.prefetch import PREFETCH
-from zerojax.unit import ShardedUnit, check_collectives, sharded_call, unit
+from zerojax.engine.prefetch import PREFETCH
+from zerojax.engine.unit import ShardedUnit, check_collectives, sharded_call, unit
 
 
 def scan_layers(f: Callable, params: Any, x: Any) -> Any:
@@ -29,7 +29,7 @@ def scan_layers(f: Callable, params: Any, x: Any) -> Any:
 
   Returns:
     The output of layer L-1. Inside the executor with `Schedule.prefetch` the layers are prefetched (see
-    the module docstring); otherwise each layer is a `zerojax.unit(f)` call.
+    the module docstring); otherwise each layer is a `zerojax.engine.unit(f)` call.
   """
   if not isinstance(params, ShardedUnit):
     return lax.scan(lambda c, p: (f(p, c), None), x, params)[0]
@@ -39,7 +39,7 @@ def scan_layers(f: Callable, params: Any, x: Any) -> Any:
     return lax.scan(lambda c, p: (layer(p, c), None), x, params)[0]
   if not meta.scanned:
     raise ValueError(f"scan_layers got an unscanned unit (leaves without a layer axis) for "
-                     f"{getattr(f, '__qualname__', f)}; call it as zerojax.unit(f)(params, x)")
+                     f"{getattr(f, '__qualname__', f)}; call it as zerojax.engine.unit(f)(params, x)")
   meta.calls.append(f)
   check_collectives(f, meta, [x])
   return sharded_call(PREFETCH, f, meta, params.shards, params.sinks, params.state, x)

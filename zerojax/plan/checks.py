@@ -9,7 +9,7 @@ from typing import Sequence
 
 import jax.numpy as jnp
 
-from zerojax import kernel_choice
+from zerojax.quant import kernel_choice
 
 Axes = tuple[str, ...] | int  # mesh axes by name, or a group of that many consecutive devices
 

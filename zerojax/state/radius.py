@@ -1,4 +1,4 @@
-"""Radius's sparse replica sync as a stateful component (`zerojax.stateful`).
+"""Radius's sparse replica sync as a stateful component (`zerojax.state.stateful`).
 
 With `replica_sync=radius(...)` (`ReplicaSync`) the all-reduce over the replica axes is Radius's (Algorithm 1):
 each step runs one of three compiled programs, picked on the host from the step and the last selection
@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax import comm, layout as layout_lib
+from zerojax import comm
+from zerojax.engine import layout as layout_lib
 from zerojax import mesh as mesh_lib
 from zerojax.mesh import group_size
 from zerojax.plan import Radius
-from zerojax.stateful import Stored, SyncsReplicas, keep
+from zerojax.state.stateful import Stored, SyncsReplicas, keep
 
 
 @flax.struct.dataclass

@@ -1,5 +1,5 @@
 """The train state: what every run carries, plus the states of the plan's stateful components
-(`zerojax.stateful`) in one mapping.
+(`zerojax.state.stateful`) in one mapping.
 
 docs/DESIGN.md, "State across steps". `STATEFUL` lists the kinds of component that carry state across
 steps (registering a new kind is one entry); each keeps its state under its `name` in
@@ -13,9 +13,9 @@ from typing import Any
 import flax.struct
 import jax
 
-from zerojax.fidelity import ErrorFeedback
-from zerojax.outer_sync import OuterSync
-from zerojax.radius_sync import RadiusSync
+from zerojax.state.error_feedback import ErrorFeedback
+from zerojax.state.diloco import OuterSync
+from zerojax.state.radius import RadiusSync
 
 STATEFUL = [RadiusSync, ErrorFeedback, OuterSync]  # the kinds of stateful component, in the order they are built
 

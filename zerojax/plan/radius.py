@@ -1,5 +1,5 @@
 """Radius's plan value: the sparse replica sync's settings (`ReplicaSync.replica_sync`), validating
-themselves; `zerojax.radius_sync.RadiusSync` runs them.
+themselves; `zerojax.state.radius.RadiusSync` runs them.
 
 References:
   Radius: Zheng & Zhang, §4.1-4.3 (Algorithms 1-2).

@@ -1,5 +1,5 @@
 """DiLoCo's plan value: the outer optimizer across nodes (`ReplicaSync.outer_sync`), validating itself;
-`zerojax.outer_sync.OuterSync` runs it.
+`zerojax.state.diloco.OuterSync` runs it.
 
 References:
   DiLoCo: Douillard et al. 2023, Algorithm 1 (inner steps, the outer gradient, Nesterov momentum), §3.

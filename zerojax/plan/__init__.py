@@ -1,11 +1,11 @@
 """A plan: where model states are sharded and how each collective is done, as a few small values.
 
 docs/DESIGN.md, "A plan is a few small values". A `Plan` is a name and five values
-(`zerojax.plan_values`): `Sharding` (A_p ⊆ A_g ⊆ A_os), `Gather` (dtype, qwZ, hpZ, hierarchical),
+(`zerojax.plan.values`): `Sharding` (A_p ⊆ A_g ⊆ A_os), `Gather` (dtype, qwZ, hpZ, hierarchical),
 `Reduction` (dtype, ring or 2-hop, qgZ and its fidelity options), `ReplicaSync` (dense, in the backward,
 Radius) and `Schedule` (remat, prefetch). Each value validates its own fields; `Plan` checks the rules
 between them. The named strategies are one-line constructors of it, and the executor compiles it for a
-mesh into the components that run it (`zerojax.components`):
+mesh into the components that run it (`zerojax.engine.components`):
 
 | plan    | params A_p   | grads A_g    | optimizer states A_os | replica sync            |
 |---------|--------------|--------------|-----------------------|-------------------------|
@@ -37,9 +37,9 @@ from jax.sharding import Mesh
 
 from zerojax import gpu_aot, mesh as mesh_lib
 from zerojax.mesh import AXES
-from zerojax.plan_radius import Radius, radius  # noqa: F401  (re-exported: gin registers `zerojax.plan.radius`)
-from zerojax.plan_outer import Diloco, diloco  # noqa: F401  (re-exported: gin registers `zerojax.plan.diloco`)
-from zerojax.plan_values import Gather, Reduction, ReplicaSync, Schedule, Sharding
+from zerojax.plan.radius import Radius, radius  # noqa: F401  (re-exported: gin registers `zerojax.plan.radius`)
+from zerojax.plan.diloco import Diloco, diloco  # noqa: F401  (re-exported: gin registers `zerojax.plan.diloco`)
+from zerojax.plan.values import Gather, Reduction, ReplicaSync, Schedule, Sharding
 
 VALUES = {"sharding": Sharding, "gather": Gather, "reduction": Reduction, "sync": ReplicaSync,
           "schedule": Schedule}
@@ -58,7 +58,7 @@ class Plan:
   also be given by its field name (`Plan(weight_bits=8)`, `zeropp(grad_bits=(8, 4))`, gin's
   `zeropp.weight_bits = 4`), on top of the given values. `dataclasses.replace(plan, prefetch=True)`
   changes one setting. The executor compiles a plan for a mesh into the per-unit components that run it
-  (`zerojax.components.compile`).
+  (`zerojax.engine.components.compile`).
 
   Attributes:
     name: label used in logs and reports.

@@ -7,7 +7,7 @@ says how its state is created (`init`), sharded (`specs`),
 updated after the optimizer (`update`), checkpointed (`stored`) and counted (`memory_bytes`); what else
 the step does with it is a capability it declares by subclassing (`InBackward`, `Phased`,
 `SyncsReplicas`, `ReplacesWeights`). The executor, the checkpoint spec (`zerojax.train.state_spec`) and the
-memory report iterate over the plan's components (`zerojax.train_state.stateful_components`) and never
+memory report iterate over the plan's components (`zerojax.state.train_state.stateful_components`) and never
 name one. Its state lives in the train state's `stateful` mapping under the component's `name`.
 
 A step runs one compiled program per *phase*: "dense" (no component changes the replica sync) or one a

@@ -9,9 +9,9 @@ host memory); the step moves them to the device where it reads them and back aft
 copies. The update itself runs on the device: XLA:GPU runs host computations only experimentally
 (docs/offload.md compares the two on the compiled program).
 
-`HostOffload` is the component of `zerojax.components.compile` that decides where each field lives: the
+`HostOffload` is the component of `zerojax.engine.components.compile` that decides where each field lives: the
 executor's shardings (`place`), the step (`fetch`, `store`), the checkpoint spec (through the shardings)
-and `zerojax.memory.memory_report` (`host`) ask it; nothing else names a memory kind.
+and `zerojax.executor.memory.memory_report` (`host`) ask it; nothing else names a memory kind.
 
 References:
   ZeRO-Offload: Ren et al. 2021, §4 (what moves to the host), §4.1 (the data flow of one step).
@@ -28,9 +28,9 @@ from jax.sharding import Mesh, NamedSharding
 
 import jax.numpy as jnp
 
-from zerojax import layout as layout_lib, logical as logical_lib
-from zerojax.jaxpr_walk import sub_jaxprs
-from zerojax.plan_checks import OFFLOADABLE
+from zerojax.engine import layout as layout_lib, logical as logical_lib
+from zerojax.engine.jaxpr_walk import sub_jaxprs
+from zerojax.plan.checks import OFFLOADABLE
 
 HOST = "pinned_host"  # the memory kind of offloaded state: page-locked, so copies to the device are DMA
 FIELD = {"opt_state": "opt_state", "master": "params"}  # `Sharding.offload`'s names -> `TrainState` fields

@@ -26,8 +26,8 @@ import jax
 import numpy as np
 import optax
 
-from zerojax import layout as layout_lib
-from zerojax.jaxpr_walk import sub_jaxprs
+from zerojax.engine import layout as layout_lib
+from zerojax.engine.jaxpr_walk import sub_jaxprs
 
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
            "argmin"}
@@ -212,7 +212,7 @@ def check_units_own_params(jaxpr, shards: list) -> None:
   if bad is not None:
     raise ValueError(
         f"the loss uses parameters outside a ZeRO unit (`{bad.primitive.name}` at {_where(bad)}), whose "
-        "gradient would be silently zero: compute every use of a parameter inside zerojax.unit(f) (e.g. an "
+        "gradient would be silently zero: compute every use of a parameter inside zerojax.engine.unit(f) (e.g. an "
         "L2 penalty as a unit of its own), or for a flax model include the module that reads it in `units`")
 
 

@@ -1,8 +1,8 @@
-"""DiLoCo's outer optimizer across nodes as a stateful component (`zerojax.stateful`).
+"""DiLoCo's outer optimizer across nodes as a stateful component (`zerojax.state.stateful`).
 
-With `outer_sync=diloco(...)` (`ReplicaSync.outer_sync`, `zerojax.plan_outer.Diloco`) every node trains its
+With `outer_sync=diloco(...)` (`ReplicaSync.outer_sync`, `zerojax.plan.diloco.Diloco`) every node trains its
 own replica of the model: the train state's master weights and optimizer states get a leading replica axis
-`[nodes, ...]`, sharded over the node axis (`zerojax.placement.Replicas`), and the inner step reduces gradients
+`[nodes, ...]`, sharded over the node axis (`zerojax.state.placement.Replicas`), and the inner step reduces gradients
 inside the node only: nothing crosses nodes. After the inner step of a sync (`phase` "outer<f>" for
 fragment f) the outer step runs (`after_update`, DiLoCo Algorithm 1 lines 8–12):
 
@@ -38,11 +38,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from zerojax import comm, layout as layout_lib
+from zerojax import comm
+from zerojax.engine import layout as layout_lib
 from zerojax.comm import formats
 from zerojax.mesh import group_size
-from zerojax.plan_outer import BLOCK, Diloco
-from zerojax.stateful import ReplacesWeights, Stored
+from zerojax.plan.diloco import BLOCK, Diloco
+from zerojax.state.stateful import ReplacesWeights, Stored
 
 
 @flax.struct.dataclass

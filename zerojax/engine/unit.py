@@ -8,17 +8,17 @@ executor's `shard_map` the params are a `ShardedUnit`, and the call becomes a `j
   block scales, dequantized on arrival), run `f`; keep as residual only the local shard (hpZ: the
   secondary shard) and the inputs, never the gathered weights;
 - backward: re-gather (hpZ: over the secondary axes only, inside the node), recompute `f`'s VJP (or,
-  with `Schedule.remat` "dots"/"none", reuse the activations the forward saved: `zerojax.remat`), reduce
+  with `Schedule.remat` "dots"/"none", reuse the activations the forward saved: `zerojax.engine.remat`), reduce
   the full local gradient over the gradient axes A_g (qgZ: 2-hop quantized all-to-all)
   and return it as the cotangent of the unit's *gradient sink*, a zero placeholder shaped like the G
   shard. The executor differentiates with respect to the sinks, so A_g may shard more finely than A_p
   (ZeRO-2, AMSP) while the gradient is still reduced layer by layer inside the backward pass.
 
-The collectives are the plan's components (`zerojax.components`: `ParamGather`, `GradReduction`), bound
+The collectives are the plan's components (`zerojax.engine.components`: `ParamGather`, `GradReduction`), bound
 to the unit's leaves in its `UnitMeta`; the unit never reads the plan. That `custom_vjp`,
 `sharded_call`, is the one engine of every unit: a `CallOrder` orders the components above (gather,
 `call_forward`, re-gather, `call_backward`, `reduce_and_sync`); `ONE_CALL` runs one call,
-`zerojax.prefetch.PREFETCH` a scanned unit's layers with the next layer's gather in flight.
+`zerojax.engine.prefetch.PREFETCH` a scanned unit's layers with the next layer's gather in flight.
 
 References:
   ZeRO: Rajbhandari et al. 2020, §5.3. ZeRO++: Wang et al. 2023, §3 (the unit's collectives).
@@ -34,16 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from zerojax import remat
-from zerojax.components import GradReduction, ParamGather
-from zerojax.jaxpr_walk import sub_jaxprs
-from zerojax.layout import LeafLayout
+from zerojax.engine import remat
+from zerojax.engine.components import GradReduction, ParamGather
+from zerojax.engine.jaxpr_walk import sub_jaxprs
+from zerojax.engine.layout import LeafLayout
 
 
 @dataclasses.dataclass(frozen=True)
 class UnitMeta:
   """Static description of one unit inside the executor's shard_map (hashable): the plan's components
-  (`zerojax.components`) bound to the unit's leaves.
+  (`zerojax.engine.components`) bound to the unit's leaves.
 
   Attributes:
     gather, reduction: the unit's `ParamGather` and `GradReduction`.
@@ -315,7 +315,7 @@ def unit(f: Callable) -> Callable:
       elif params.meta.prefetch and params.meta.scanned:
         raise ValueError(f"prefetch=True: a scanned unit's layers are called one by one (lax.scan or "
                          f"flax nn.scan) by {getattr(f, '__qualname__', f)}; run the stack with "
-                         "zerojax.scan_layers(f, params, x), or set prefetch=False")
+                         "zerojax.engine.scan_layers(f, params, x), or set prefetch=False")
       params.meta.calls.append(f)
       leaves, treedef = jax.tree.flatten((args, kwargs))
       g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))

@@ -5,7 +5,7 @@ built by `GradReduction.unit_states`).
 micro-step (LoCo §3): `e_send`, one fp32 copy of the unit's local gradient buffer (all its leaves packed,
 in qgZ's node-major order), and `e_node`, 1/G of it (the node-local sums this device requantizes for
 the inter-node hop). In the train state each is a global array `[devices, (layers,) n]`, one row per
-device, sharded over all mesh axes (`ErrorFeedback`, a `zerojax.stateful` component); it is checkpointed
+device, sharded over all mesh axes (`ErrorFeedback`, a `zerojax.state.stateful` component); it is checkpointed
 as held (the same mesh and plan resume bitwise, any other starts the errors from zero).
 
 `Reduction.stochastic_rounding` needs no train state: its key is folded from the step, the micro-step,
@@ -27,13 +27,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax import mesh as mesh_lib
-from zerojax.components import ERROR_STATE
-from zerojax.stateful import InBackward, Stored, keep
+from zerojax.engine.components import ERROR_STATE
+from zerojax.state.stateful import InBackward, Stored, keep
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ErrorFeedback(InBackward):
-  """qgZ's error feedback as a stateful component (`zerojax.stateful`): `{unit: (e_send, e_node)}`,
+  """qgZ's error feedback as a stateful component (`zerojax.state.stateful`): `{unit: (e_send, e_node)}`,
   each a global array `[devices, (layers,) n]` sharded over all mesh axes, carried through the units'
   backward every micro-step (`InBackward`; the new errors are the cotangent of the old ones).
 

@@ -18,15 +18,14 @@ import dataclasses
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from zerojax import remat
 from zerojax.comm import formats
 from zerojax.mesh import AXES
-from zerojax import plan_checks as checks
-from zerojax.plan_checks import Axes
-from zerojax.plan_outer import Diloco
-from zerojax.plan_radius import Radius
+from zerojax.plan import checks
+from zerojax.plan.checks import Axes
+from zerojax.plan.diloco import Diloco
+from zerojax.plan.radius import Radius
 REDUCE_VIA = ("auto", "all_to_all", "reduce_scatter")
-REMAT = remat.MODES
+REMAT = ("full", "dots", "none")  # what a unit keeps for its backward (`zerojax.engine.remat`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Sharding:
       layout of the shards for every plan of a run (`train.pad_multiple`, 256).
     offload: the train-state fields that live in host memory (ZeRO-Offload, Ren et al. 2021, §4):
       `()` (none), `("opt_state",)` (the optimizer states), `("opt_state", "master")` (and the fp32
-      master weights). The step moves them to the device for its update and back (`zerojax.offload`).
+      master weights). The step moves them to the device for its update and back (`zerojax.engine.offload`).
     offload_update: how the update of offloaded states runs on the device: "streamed" (chunk by chunk,
       at most three units' states on the device at once; docs/offload.md) or "bulk" (every state fetched
       at once after the backward, as ZeRO-Offload's GPU fallback and MaxText do).
@@ -203,7 +202,7 @@ class Reduction:
     grad_error_feedback: qgZ with error feedback (LoCo §3): what each quantization of qgZ drops (the
       first hop's error of the local gradient, the second hop's error of the node-local sums) is kept
       per device and added to the same positions' values at the next micro-step, so nothing is lost,
-      only delayed. The errors are train state (`fidelity.ErrorFeedback`, checkpointed); they cost one
+      only delayed. The errors are train state (`zerojax.state.error_feedback.ErrorFeedback`, checkpointed); they cost one
       fp32 copy of the unit's local gradient plus 1/G of it per device.
     kernel_backend: quantization kernels, "xla", "pallas" or "triton" (None: the default backend).
   """
@@ -337,7 +336,7 @@ class Schedule:
       re-gathered weights (ZeRO-3's default: nothing but the inputs is kept between forward and
       backward). "dots": keeps the outputs of the matmuls with the weights
       (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and the attention's output
-      (`zerojax.remat.ATTENTION`), and recomputes the rest. "none": keeps
+      (`zerojax.engine.remat.ATTENTION`), and recomputes the rest. "none": keeps
       every residual of the forward and recomputes nothing. In every mode the backward re-gathers the
       weights (hpZ: from the secondary shard) instead of keeping them, so "dots" and "none" cost
       activation memory (per layer, for the whole backward), never gathered weights. "auto" or None (the
@@ -345,9 +344,9 @@ class Schedule:
       chosen where the batch is known (`zerojax.planner.remat.choose`: `train.py`, `cli.compile`); on
       CPUs, and for an executor built without that choice, "none" when the parameters are not sharded
       (DP, ZeRO-1/2), else "full" (`Plan.remat_mode`).
-    prefetch: inside a scanned unit run by `zerojax.scan_layers`, gather layer i+1 while layer i computes
+    prefetch: inside a scanned unit run by `zerojax.engine.scan_layers`, gather layer i+1 while layer i computes
       (forward), and in backward gather layer i-1 and reduce layer i+1's gradient while layer i's
-      backward runs (`zerojax.prefetch`): a schedule of the unit's own engine, so it composes with every
+      backward runs (`zerojax.engine.prefetch`): a schedule of the unit's own engine, so it composes with every
       other field. At most two gathered layers are alive. False: each layer gathers when it runs. Same
       numbers either way (to float reassociation). None (the default): on for a mesh of GPUs when the
       parameters are sharded (every remat mode), off on CPUs; `Plan.resolve` decides. On GPUs it is what

@@ -7,10 +7,10 @@ docs/DESIGN.md, "Components". `compile(plan, mesh)` turns a resolved `Plan`'s va
 - `GradReduction`: a unit's gradient reduction over A_g, inside its backward — `Plan.reduction`;
 - `BoundarySync`: the accumulated gradient's sync at the end of the window (reduce-scatter over
   A_os \\ A_g, all-reduce over the replicas, or the same all-reduce inside the last backward) —
-  `Plan.sync` (a stateful component may replace its all-reduce: `zerojax.stateful`);
+  `Plan.sync` (a stateful component may replace its all-reduce: `zerojax.state.stateful`);
 - the schedule: the remat mode and whether scanned units prefetch — `Plan.schedule`;
-- `HostOffload`: which train-state fields live in host memory — `Sharding.offload` (`zerojax.offload`).
-The unit (`zerojax.unit`), its prefetch call order and the step body call these; none reads the plan.
+- `HostOffload`: which train-state fields live in host memory — `Sharding.offload` (`zerojax.engine.offload`).
+The unit (`zerojax.engine.unit`), its prefetch call order and the step body call these; none reads the plan.
 Components are the same for every unit: a unit binds them to its leaves in its `UnitMeta`.
 
 `compile` decides once, from the mesh's sizes, what a device does not need: an axis of size 1 moves no
@@ -34,13 +34,14 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from zerojax import comm, gpu_aot, kernel_choice, mesh as mesh_lib
-from zerojax.layout import LeafLayout, pad_flat, unflatten_leaf
+from zerojax import comm, gpu_aot, mesh as mesh_lib
+from zerojax.quant import kernel_choice
+from zerojax.engine.layout import LeafLayout, pad_flat, unflatten_leaf
 from zerojax.mesh import axis_sizes, group_size, owner_index
-from zerojax.offload import HostOffload
+from zerojax.engine.offload import HostOffload
 from zerojax.plan import Plan
 
-ERROR_STATE = "grad_error"  # the name (in `TrainState.stateful`) of qgZ's error feedback buffers (`fidelity.ErrorFeedback`)
+ERROR_STATE = "grad_error"  # the name (in `TrainState.stateful`) of qgZ's error feedback buffers (`zerojax.state.error_feedback.ErrorFeedback`)
 SEED = 0x5D4B  # the base key of stochastic rounding (the same in every run: the step makes it vary)
 
 
@@ -221,7 +222,7 @@ class GradReduction:
     if (self.error_feedback and error is None) or (self.stochastic_rounding and seed is None):
       raise ValueError(f"plan {self.owner!r}: grad_error_feedback / stochastic_rounding need the unit's qgZ "
                        "state (ShardedUnit.state), which the executor's step passes to every unit; call the "
-                       "unit through the executor's model (zerojax.unit, from_linen, from_nnx)")
+                       "unit through the executor's model (zerojax.engine.unit, from_linen, from_nnx)")
     if not self.order:  # one device: nothing to reduce, nothing quantized, so nothing dropped
       return flats, (None if error is None else jax.tree.map(jnp.zeros_like, error))
     fidelity = {}
@@ -266,14 +267,14 @@ class Components:
   Attributes:
     gather, reduction, sync: the communication components.
     remat: the remat mode every unit runs (`Schedule.remat` resolved).
-    prefetch: whether a scanned unit run by `zerojax.scan_layers` prefetches its layers (never where the
+    prefetch: whether a scanned unit run by `zerojax.engine.scan_layers` prefetches its layers (never where the
       gather moves nothing: there is nothing to fetch ahead).
     mean_axes: the mesh's axes of size > 1, over which the step averages its loss, metrics and mutable
       collections (`mean`); those of one replica where the replicas train apart.
     replicas_apart: the axes over which the replicas train apart between syncs (`ReplicaSync.trains_apart`,
       DiLoCo: the nodes, possibly of size 1); () for every other plan. The executor's `Placement` keeps
       one copy of the state per replica over them.
-    offload: which train-state fields live in host memory (`zerojax.offload.HostOffload`, from
+    offload: which train-state fields live in host memory (`zerojax.engine.offload.HostOffload`, from
       `Sharding.offload`).
   """
   gather: ParamGather

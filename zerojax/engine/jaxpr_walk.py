@@ -2,8 +2,8 @@
 
 A control-flow or call primitive (`pjit`, `scan`, `cond`, `while`, `custom_vjp_call`, `remat`, ...) holds
 its body in its params as a `Jaxpr` or a `ClosedJaxpr` (a jaxpr with its constants), alone or in a tuple
-(the branches of `cond`). The checks of a unit's collectives (`zerojax.unit.check_collectives`), of the
-uses of parameter shards and of the optimizer's update (`zerojax.logical`) descend through them with
+(the branches of `cond`). The checks of a unit's collectives (`zerojax.engine.unit.check_collectives`), of the
+uses of parameter shards and of the optimizer's update (`zerojax.engine.logical`) descend through them with
 `sub_jaxprs`.
 """
 from __future__ import annotations

@@ -27,7 +27,6 @@ from typing import Any
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-MODES = ("full", "dots", "none")
 ACTIVATION = "zerojax_activation"
 ATTENTION = "attention_out"  # the attention's output (`zerojax.models.attention`): "dots" keeps it
 

@@ -1,0 +1,1 @@
+"""The block quantizers' front and which kernel backend runs each op (docs/quantization.md)."""
