@@ -98,9 +98,9 @@ def test_user_model_written_as_units(mesh):
             "layers": {"w": jax.random.normal(k2, (3, d, d)) * 0.2, "b": jnp.zeros((3, d))},
             "out": {"w": jax.random.normal(k3, (d, 256)) * 0.1}}
 
-  layer = zerojax.engine.unit(lambda p, x: x + jnp.tanh(x @ p["w"] + p["b"][None]))
-  embed = zerojax.engine.unit(lambda p, t: p["w"][t])
-  out = zerojax.engine.unit(lambda p, x, y: -jnp.mean(jnp.take_along_axis(
+  layer = zerojax.unit(lambda p, x: x + jnp.tanh(x @ p["w"] + p["b"][None]))
+  embed = zerojax.unit(lambda p, t: p["w"][t])
+  out = zerojax.unit(lambda p, x, y: -jnp.mean(jnp.take_along_axis(
       jax.nn.log_softmax(x @ p["w"]), y[..., None], axis=-1)))
 
   def loss(params, tokens):

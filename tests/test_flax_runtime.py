@@ -136,7 +136,7 @@ def test_collective_inside_a_unit(axis, match, mesh):
   """A unit that averages over an axis itself, one the step does not bind or one zerojax owns: one line
   naming the fix."""
   model = zerojax.Model(lambda r: {"u": {"w": jnp.ones((16, 16))}},
-                        lambda p, t: jnp.mean(zerojax.engine.unit(lambda q, x: lax.pmean(x @ q["w"], axis))(p["u"], t)))
+                        lambda p, t: jnp.mean(zerojax.unit(lambda q, x: lax.pmean(x @ q["w"], axis))(p["u"], t)))
   ex = zerojax.Executor(model, optax.sgd(0.1), zerojax.zero3(), mesh)
   with pytest.raises(ValueError, match=match) as e:
     ex.step_fn()(ex.init(jax.random.key(0)), np.ones((1, 8, 16), np.float32))

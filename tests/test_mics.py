@@ -251,7 +251,7 @@ def test_sync_in_backward_gives_the_same_bits_and_one_all_reduce_per_unit(plan, 
 
 
 def test_a_unit_called_twice_is_refused_with_sync_in_backward():
-  layer = zerojax.engine.unit(lambda p, x: jnp.tanh(x @ p["w"]))
+  layer = zerojax.unit(lambda p, x: jnp.tanh(x @ p["w"]))
 
   def loss(params, tokens):
     x = jax.nn.one_hot(tokens[:, 0] % 8, 8)

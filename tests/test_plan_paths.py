@@ -74,8 +74,8 @@ def test_unquantized_backward_gather(setup):
 
 def _nan_grad_model():
   """A loss that is finite while its gradient is NaN: d/dw sqrt(w^2) at w = 0 is 0/0."""
-  layer = zerojax.engine.unit(lambda p, x: x @ p["w"])
-  head = zerojax.engine.unit(lambda p, h: jnp.mean(h) + jnp.sum(jnp.sqrt(p["v"] ** 2)))
+  layer = zerojax.unit(lambda p, x: x @ p["w"])
+  head = zerojax.unit(lambda p, h: jnp.mean(h) + jnp.sum(jnp.sqrt(p["v"] ** 2)))
 
   def init(rng):
     w = jax.random.normal(rng, (8, 8))

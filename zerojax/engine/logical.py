@@ -212,7 +212,7 @@ def check_units_own_params(jaxpr, shards: list) -> None:
   if bad is not None:
     raise ValueError(
         f"the loss uses parameters outside a ZeRO unit (`{bad.primitive.name}` at {_where(bad)}), whose "
-        "gradient would be silently zero: compute every use of a parameter inside zerojax.engine.unit(f) (e.g. an "
+        "gradient would be silently zero: compute every use of a parameter inside zerojax.unit(f) (e.g. an "
         "L2 penalty as a unit of its own), or for a flax model include the module that reads it in `units`")
 
 

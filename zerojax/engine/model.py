@@ -18,7 +18,7 @@ class Model(NamedTuple):
 
   Attributes:
     init: `rng -> params`, a dict `{unit_name: pytree}` of logical parameters.
-    loss: `(params, batch) -> scalar` mean loss of a micro-batch; calls `zerojax.engine.unit(f)(params[u], ...)`
+    loss: `(params, batch) -> scalar` mean loss of a micro-batch; calls `zerojax.unit(f)(params[u], ...)`
       for every unit `u`, and `lax.scan` over the scanned units. With `rng`, `(params, batch, rng)`; with
       `init_state`, `(params, batch, rng, state) -> (out, state)`. `out` is the loss, or `(loss, aux)`
       with `has_aux`. `rng` is None in `eval_fn`.

@@ -29,7 +29,7 @@ def scan_layers(f: Callable, params: Any, x: Any) -> Any:
 
   Returns:
     The output of layer L-1. Inside the executor with `Schedule.prefetch` the layers are prefetched (see
-    the module docstring); otherwise each layer is a `zerojax.engine.unit(f)` call.
+    the module docstring); otherwise each layer is a `zerojax.unit(f)` call.
   """
   if not isinstance(params, ShardedUnit):
     return lax.scan(lambda c, p: (f(p, c), None), x, params)[0]
@@ -39,7 +39,7 @@ def scan_layers(f: Callable, params: Any, x: Any) -> Any:
     return lax.scan(lambda c, p: (layer(p, c), None), x, params)[0]
   if not meta.scanned:
     raise ValueError(f"scan_layers got an unscanned unit (leaves without a layer axis) for "
-                     f"{getattr(f, '__qualname__', f)}; call it as zerojax.engine.unit(f)(params, x)")
+                     f"{getattr(f, '__qualname__', f)}; call it as zerojax.unit(f)(params, x)")
   meta.calls.append(f)
   check_collectives(f, meta, [x])
   return sharded_call(PREFETCH, f, meta, params.shards, params.sinks, params.state, x)

@@ -315,7 +315,7 @@ def unit(f: Callable) -> Callable:
       elif params.meta.prefetch and params.meta.scanned:
         raise ValueError(f"prefetch=True: a scanned unit's layers are called one by one (lax.scan or "
                          f"flax nn.scan) by {getattr(f, '__qualname__', f)}; run the stack with "
-                         "zerojax.engine.scan_layers(f, params, x), or set prefetch=False")
+                         "zerojax.scan_layers(f, params, x), or set prefetch=False")
       params.meta.calls.append(f)
       leaves, treedef = jax.tree.flatten((args, kwargs))
       g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))
