@@ -43,6 +43,8 @@ def reference(opt, outer, steps, nodes=2, accum=2):
 
   reps = [(p0, opt.init(p0)) for _ in range(nodes)]
   outer_p, mom = p0, jax.tree.map(jnp.zeros_like, p0)
+  custom = outer.outer_optimizer  # another optax transformation: its update on the outer gradient
+  custom_state = custom.init(p0) if custom is not None else None
   for i, b in enumerate(helpers.batches(steps, accum)):
     rows = b.shape[1] // nodes
     start = [p for p, _ in reps]
@@ -50,9 +52,13 @@ def reference(opt, outer, steps, nodes=2, accum=2):
     if outer.fragment_at(i) is not None:
       source = start if outer.overlap else [p for p, _ in reps]
       delta = jax.tree.map(lambda op, *ps: op - sum(ps) / nodes, outer_p, *source)
-      mom = jax.tree.map(lambda m, d: outer.momentum * m + d, mom, delta)
-      step = jax.tree.map(lambda d, m: d + outer.momentum * m, delta, mom) if outer.nesterov else mom
-      outer_p = jax.tree.map(lambda o, s: o - outer.lr * s, outer_p, step)
+      if custom is not None:
+        u, custom_state = custom.update(delta, custom_state, outer_p)
+        outer_p = optax.apply_updates(outer_p, u)
+      else:
+        mom = jax.tree.map(lambda m, d: outer.momentum * m + d, mom, delta)
+        step = jax.tree.map(lambda d, m: d + outer.momentum * m, delta, mom) if outer.nesterov else mom
+        outer_p = jax.tree.map(lambda o, s: o - outer.lr * s, outer_p, step)
       mix = outer.mix if outer.overlap else 0.0
       reps = [(jax.tree.map(lambda p, q: mix * p + (1 - mix) * q, p, outer_p) if mix else outer_p, o)
               for p, o in reps]
@@ -73,7 +79,8 @@ def test_one_inner_step_with_plain_outer_sgd_is_data_parallel_training():
 
 @pytest.mark.parametrize("outer, steps", [
     (plans.diloco(every=2), 4), (plans.diloco(every=3, momentum=0.5, nesterov=False, lr=0.9), 4),
-    (plans.diloco(every=2, overlap=True), 5), (plans.diloco(every=2, overlap=True, mix=0.0, momentum=0.5), 4)])
+    (plans.diloco(every=2, overlap=True), 5), (plans.diloco(every=2, overlap=True, mix=0.0, momentum=0.5), 4),
+    (plans.diloco(every=2, outer_optimizer=optax.sgd(optax.linear_schedule(0.7, 0.35, 4), momentum=0.8)), 4)])
 def test_replicas_and_outer_update_match_plain_jax(outer, steps):
   """H > 1 (clipping and momentum per replica): the executor's replicas equal n independent plain-JAX
   replicas with the outer update, to float reassociation of the in-node reductions; with `overlap` the
@@ -172,6 +179,22 @@ def test_checkpoint_between_syncs_resumes_bitwise_and_restores_onto_another_mesh
     other, _ = c.restore(small)
   a, b = state_spec.logical_state(ex, state), state_spec.logical_state(small, other)
   assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))))
+
+
+def test_an_optax_outer_optimizers_state_is_stored_logically_and_counted():
+  """`outer_optimizer=optax.adam(...)`: its state (count, mu, nu) round-trips through the checkpoint layout
+  bitwise, mu and nu in the parameters' logical shapes, and the memory report counts it."""
+  outer = plans.diloco(every=2, outer_optimizer=optax.adam(0.05))
+  ex, state, _, _ = run(outer, helpers.optimizer("sgd"), 2)
+  tree = state_spec.logical_state(ex, state)
+  mu = jax.tree.leaves(tree["outer"]["momentum"]["0"]["mu"])
+  assert sorted(x.shape for x in mu) == sorted(l.logical_shape for l in ex.layout.leaves)
+  assert int(np.asarray(tree["outer"]["momentum"]["0"]["count"])) == 1  # one sync in two steps
+  back = state_spec.state_from_logical(ex, tree)
+  for a, b in zip(jax.tree.leaves(back.stateful["outer"]), jax.tree.leaves(state.stateful["outer"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  rep = memory_report(ex, state)
+  assert rep["expected"]["outer"] == rep["measured"]["outer"] == 3 * rep["expected"]["master"]  # params, mu, nu
 
 
 def test_memory_report_counts_the_outer_state():

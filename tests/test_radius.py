@@ -104,7 +104,7 @@ def run_radius(plan, mesh, opt, batches, accum=2, params=None):
   for b in batches:
     phase = ex.phase(state)
     state, m = step(state, jax.device_put(b, ex.batch_sharding))
-    radius = state.stateful["radius"]
+    radius = state.stateful.get("radius")
     out.append((phase, jax.tree.map(np.asarray, ex.logical_params(state)),
                 [np.asarray(r) for r in jax.tree.leaves(radius.residual)] if radius else None,
                 executor_masks(ex, state) if radius else None, float(m.loss)))

@@ -84,7 +84,7 @@ def test_components_declare_their_state_consistently(which, request):
   device are the bytes it counts; the stored layout round-trips bitwise."""
   ex, state = request.getfixturevalue(which)
   for name, c in ex.stateful.items():
-    held = getattr(state, name)
+    held = state.stateful[name]
     leaves = jax.tree.leaves(held)
     specs = jax.tree.leaves(c.specs(), is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
     stored = c.stored()

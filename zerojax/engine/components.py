@@ -222,7 +222,7 @@ class GradReduction:
     if (self.error_feedback and error is None) or (self.stochastic_rounding and seed is None):
       raise ValueError(f"plan {self.owner!r}: grad_error_feedback / stochastic_rounding need the unit's qgZ "
                        "state (ShardedUnit.state), which the executor's step passes to every unit; call the "
-                       "unit through the executor's model (zerojax.engine.unit, from_linen, from_nnx)")
+                       "unit through the executor's model (zerojax.unit, from_linen, from_nnx)")
     if not self.order:  # one device: nothing to reduce, nothing quantized, so nothing dropped
       return flats, (None if error is None else jax.tree.map(jnp.zeros_like, error))
     fidelity = {}

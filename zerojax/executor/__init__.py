@@ -173,6 +173,6 @@ class Executor:
     """`{unit: why}` for the scanned units that run per layer although the plan prefetches by default
     (their layers are called one by one: flax `nn.scan`, a `lax.scan` of `zerojax.engine.unit`); known once a
     step or eval program has been traced. An explicit `prefetch=True` raises for such a unit instead."""
-    return {u: f"its layers are called one by one by {m.fallbacks[0]} (not zerojax.engine.scan_layers): each "
+    return {u: f"its layers are called one by one by {m.fallbacks[0]} (not zerojax.scan_layers): each "
                "layer gathers when it runs (prefetch off for this unit)"
             for u, m in self.metas.items() if m.fallbacks}

@@ -9,6 +9,9 @@ References:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import optax
 
 BLOCK = 256  # elements per quantization block of a quantized outer gradient
 
@@ -41,6 +44,11 @@ class Diloco:
     lr: the outer learning rate (0.7 in DiLoCo).
     momentum: the outer momentum (0.9 in DiLoCo); 0 for plain SGD.
     nesterov: Nesterov momentum (DiLoCo's choice) or heavy-ball.
+    outer_optimizer: None (the outer optimizer is `optax.sgd(lr, momentum, nesterov)`, DiLoCo's), or any
+      elementwise optax `GradientTransformation` applied to the outer gradient (e.g. `optax.adam(0.1)`;
+      `lr`, `momentum` and `nesterov` then do not apply). A fragment's outer step updates the fragment's
+      rows of every state leaf shaped like a parameter; scalar state such as a step count advances once per
+      fragment's sync.
     overlap: the outer gradient crosses nodes during the next inner step and is applied after it.
     mix: with `overlap`, α, the share of its own weights a replica keeps when the outer parameters arrive
       (Streaming DiLoCo §2.3 uses 0.5); 0 restarts the fragment from the outer parameters.
@@ -53,6 +61,7 @@ class Diloco:
   nesterov: bool = True
   overlap: bool = False
   mix: float = 0.5
+  outer_optimizer: Any = None
 
   def __post_init__(self):
     if isinstance(self.every, bool) or int(self.every) != self.every or self.every < 1:
@@ -66,11 +75,20 @@ class Diloco:
       raise ValueError(f"diloco lr={self.lr!r} must be > 0 (DiLoCo uses 0.7)")
     if not 0 <= self.momentum < 1:
       raise ValueError(f"diloco momentum={self.momentum!r} must be in [0, 1) (DiLoCo uses 0.9)")
+    if self.outer_optimizer is not None and not isinstance(self.outer_optimizer, optax.GradientTransformation):
+      raise ValueError(f"diloco outer_optimizer={self.outer_optimizer!r}; use None (Nesterov SGD) or an optax "
+                       "GradientTransformation, e.g. optax.adam(0.1)")
     if not isinstance(self.overlap, bool):
       raise ValueError(f"diloco overlap={self.overlap!r} must be True or False")
     if not 0 <= self.mix < 1:
       raise ValueError(f"diloco mix={self.mix!r} must be in [0, 1) (Streaming DiLoCo uses 0.5; 1 would never "
                        "take the outer parameters)")
+
+  def optimizer(self) -> optax.GradientTransformation:
+    """The outer optimizer: `outer_optimizer`, or DiLoCo's SGD with (Nesterov) momentum."""
+    if self.outer_optimizer is not None:
+      return self.outer_optimizer
+    return optax.sgd(self.lr, momentum=self.momentum, nesterov=self.nesterov)
 
   @property
   def alignment(self) -> int:
@@ -96,7 +114,7 @@ class Diloco:
 
 
 def diloco(every: int = 50, fragments: int = 1, bits: int | None = None, lr: float = 0.7, momentum: float = 0.9,
-           nesterov: bool = True, overlap: bool = False, mix: float = 0.5) -> Diloco:
+           nesterov: bool = True, overlap: bool = False, mix: float = 0.5, outer_optimizer: Any = None) -> Diloco:
   """DiLoCo's outer optimizer across nodes (see `Diloco`): `mics(outer_sync=diloco(every=50))`."""
   return Diloco(every=every, fragments=fragments, bits=bits, lr=lr, momentum=momentum, nesterov=nesterov,
-                overlap=overlap, mix=mix)
+                overlap=overlap, mix=mix, outer_optimizer=outer_optimizer)

@@ -35,8 +35,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax import comm
 from zerojax.engine import layout as layout_lib
@@ -48,9 +49,10 @@ from zerojax.state.stateful import ReplacesWeights, Stored
 
 @flax.struct.dataclass
 class OuterState:
-  """DiLoCo's outer state: the parameters every replica restarts from, and the outer momentum."""
+  """DiLoCo's outer state: the parameters every replica restarts from, and the outer optimizer's state."""
   params: Any    # per leaf [(layers,) padded] fp32, sharded over A_os, the same on every node
-  momentum: Any  # like params
+  momentum: Any  # DiLoCo's SGD: the momentum, like params; another optax transformation (`outer_optimizer`):
+                 # its state over the list of leaves (`jax.tree.leaves(params)`)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -96,12 +98,50 @@ class OuterSync(ReplacesWeights):
   def replicas(self) -> int:
     return group_size(self.mesh, self.nodes)
 
+  @property
+  def optimizer(self) -> optax.GradientTransformation:
+    """The outer optimizer (`Diloco.optimizer`); it sees the list of the leaves' flat shards."""
+    return self.diloco.optimizer()
+
+  @property
+  def plain(self) -> bool:
+    """DiLoCo's own SGD: its state is kept as the momentum, per leaf like the parameters (the checkpoint's
+    `outer/momentum/...`)."""
+    return self.diloco.outer_optimizer is None
+
+  def to_optax(self, momentum):
+    """The optax state over the list of leaves, from `OuterState.momentum`."""
+    return (optax.TraceState(trace=jax.tree.leaves(momentum)), optax.EmptyState()) if self.plain else momentum
+
+  def from_optax(self, state, like):
+    """`OuterState.momentum` from the optax state (`like`: a tree shaped like the parameters)."""
+    return jax.tree.unflatten(jax.tree.structure(like), state[0].trace) if self.plain else state
+
+  def owners(self, state):
+    """Per leaf of the optax state, the index of the parameter leaf it is shaped like, or -1 (a scalar such
+    as a step count)."""
+    return optax.tree_utils.tree_map_params(self.optimizer, lambda _, i: i, state,
+                                            list(range(len(self.layout.leaves))),
+                                            transform_non_params=lambda _: -1)
+
   def init(self, flat):
-    return OuterState(params=jax.tree.map(jnp.copy, flat), momentum=jax.tree.map(jnp.zeros_like, flat))
+    params = jax.tree.map(jnp.copy, flat)
+    if self.plain:
+      return OuterState(params=params, momentum=jax.tree.map(jnp.zeros_like, flat))
+    return OuterState(params=params, momentum=self.optimizer.init(jax.tree.leaves(params)))
+
+  def _state_shapes(self):
+    leaves = [jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32) for l in self.layout.leaves]
+    return jax.eval_shape(self.optimizer.init, leaves)
 
   def specs(self) -> OuterState:
     params = layout_lib.specs(self.layout, self.opt_order)
-    return OuterState(params=params, momentum=params)
+    if self.plain:
+      return OuterState(params=params, momentum=params)
+    flat = jax.tree.leaves(params, is_leaf=lambda s: isinstance(s, P))
+    state = self._state_shapes()
+    return OuterState(params=params, momentum=jax.tree.unflatten(
+        jax.tree.structure(state), [flat[i] if i >= 0 else P() for i in jax.tree.leaves(self.owners(state))]))
 
   def phase(self, state) -> str | None:
     f = self.diloco.fragment_at(int(state.step))
@@ -128,28 +168,36 @@ class OuterSync(ReplacesWeights):
     gradient is taken from (the same, or with `overlap` the step's start), the outer parameters and
     momentum `[(layers,) c]` of this device's shard -> the replica, outer parameters and momentum after
     the outer step of fragment `f`."""
-    d = self.diloco
+    d, rows = self.diloco, self.rows[f]
     p_leaves, treedef = jax.tree.flatten(params)
     s_leaves = jax.tree.leaves(source)
-    o_leaves, m_leaves = jax.tree.leaves(outer), jax.tree.leaves(momentum)
-    take = lambda x, rows: x if rows == () else x[np.asarray(rows)]
-    picked = [i for i, rows in enumerate(self.rows[f]) if rows is not None]
+    o_leaves = jax.tree.leaves(outer)
+    picked = [i for i, r in enumerate(rows) if r is not None]
     if not picked:
       return params, outer, momentum
-    deltas = [take(o_leaves[i], self.rows[f][i]) - take(s_leaves[i][0], self.rows[f][i]) for i in picked]
-    mean = _mean_over(deltas, self.moving_nodes, d.bits)
-    for i, delta in zip(picked, mean):
-      rows = self.rows[f][i]
-      m = d.momentum * take(m_leaves[i], rows) + delta
-      new = take(o_leaves[i], rows) - d.lr * ((delta + d.momentum * m) if d.nesterov else m)
-      put = lambda x, v, rows=rows: v if rows == () else x.at[np.asarray(rows)].set(v)
-      o_leaves[i], m_leaves[i] = put(o_leaves[i], new), put(m_leaves[i], m)
-      mine = new
+    # The fragment's rows of a leaf; a leaf outside the fragment enters the optimizer empty.
+    part = lambda x, i: x[:0] if rows[i] is None else (x if rows[i] == () else x[np.asarray(rows[i])])
+    put = lambda x, v, i: x if rows[i] is None else (v if rows[i] == () else x.at[np.asarray(rows[i])].set(v))
+    deltas = [part(o_leaves[i], i) - part(s_leaves[i][0], i) for i in picked]
+    mean = dict(zip(picked, _mean_over(deltas, self.moving_nodes, d.bits)))
+    sub = [part(o, i) for i, o in enumerate(o_leaves)]
+    state = self.to_optax(momentum)
+    owners = jax.tree.leaves(self.owners(state))
+    state_leaves, state_def = jax.tree.flatten(state)
+    sub_state = jax.tree.unflatten(state_def, [part(x, i) if i >= 0 else x for x, i in zip(state_leaves, owners)])
+    grads = [mean[i] if i in mean else s for i, s in enumerate(sub)]  # the outer gradient (DiLoCo Algorithm 1)
+    updates, new_state = self.optimizer.update(grads, sub_state, sub)
+    new = optax.apply_updates(sub, updates)
+    state = jax.tree.unflatten(state_def, [put(x, v, i) if i >= 0 else v for x, v, i in
+                                           zip(state_leaves, jax.tree.leaves(new_state), owners)])
+    for i in picked:
+      o_leaves[i] = put(o_leaves[i], new[i], i)
+      mine = new[i]
       if d.overlap and d.mix:  # Streaming DiLoCo §2.3: the replica keeps α of the step it took meanwhile
-        mine = d.mix * take(p_leaves[i][0], rows) + (1 - d.mix) * new
-      p_leaves[i] = put(p_leaves[i][0], mine)[None]
+        mine = d.mix * part(p_leaves[i][0], i) + (1 - d.mix) * new[i]
+      p_leaves[i] = put(p_leaves[i][0], mine, i)[None]
     unflat = lambda leaves: jax.tree.unflatten(treedef, leaves)
-    return unflat(p_leaves), unflat(o_leaves), unflat(m_leaves)
+    return unflat(p_leaves), unflat(o_leaves), self.from_optax(state, outer)
 
   @property
   def moving_nodes(self) -> tuple[str, ...]:
@@ -157,9 +205,15 @@ class OuterSync(ReplacesWeights):
     return tuple(a for a in self.nodes if sizes[a] > 1)
 
   def memory_bytes(self) -> int:
-    """The outer parameters and momentum, fp32, sharded like the master weights inside a node."""
+    """The outer parameters and the outer optimizer's state, sharded like the master weights inside a node
+    (its scalars, such as a step count, are not counted, as `memory_report` measures arrays only)."""
+    shards = group_size(self.mesh, self.opt_order)
     numel = sum(l.padded * (l.layers or 1) for l in self.layout.leaves)
-    return 2 * 4 * numel // group_size(self.mesh, self.opt_order)
+    if self.plain:
+      return 2 * 4 * numel // shards
+    state = self._state_shapes()
+    return 4 * numel // shards + sum(x.size * x.dtype.itemsize // shards for x, i in
+                                     zip(jax.tree.leaves(state), jax.tree.leaves(self.owners(state))) if i >= 0)
 
   def cross_node_bytes(self, fragment: int) -> int:
     """Bytes each device sends to other nodes in fragment `fragment`'s outer step (ring all-reduce of
@@ -175,14 +229,20 @@ class OuterSync(ReplacesWeights):
     return int((n - 1) * elements * formats.integer(self.diloco.bits, BLOCK).bytes_per_element())
 
   def stored(self) -> list[Stored]:
-    out = []
-    for part in ("params", "momentum"):
-      for lay in self.layout.leaves:
-        shape = lay.logical_shape
-        out.append(Stored(shape, np.dtype(np.float32), layout_lib.logical_sharding(self.mesh, self.opt_order, shape),
-                          to_logical=lambda x, lay=lay: layout_lib.unflatten_leaf(x, lay),
-                          from_logical=lambda x, lay=lay: layout_lib.flatten_leaf(x, lay),
-                          seeds_replicas=part == "params"))  # a joining node's replica starts from them
+    """The outer parameters, then the optimizer's state, each leaf shaped like a parameter in the
+    parameter's logical shape (DiLoCo's SGD: the momentum) and a scalar as it is."""
+    def logical(lay, dtype, seeds=False):
+      shape = lay.logical_shape
+      return Stored(shape, np.dtype(dtype), layout_lib.logical_sharding(self.mesh, self.opt_order, shape),
+                    to_logical=lambda x: layout_lib.unflatten_leaf(x, lay),
+                    from_logical=lambda x: layout_lib.flatten_leaf(x, lay), seeds_replicas=seeds)
+    out = [logical(lay, np.float32, seeds=True) for lay in self.layout.leaves]  # a joining replica starts here
+    if self.plain:
+      return out + [logical(lay, np.float32) for lay in self.layout.leaves]
+    state = self._state_shapes()
+    for x, i in zip(jax.tree.leaves(state), jax.tree.leaves(self.owners(state))):
+      out.append(logical(self.layout.leaves[i], x.dtype) if i >= 0 else
+                 Stored(tuple(x.shape), np.dtype(x.dtype), NamedSharding(self.mesh, P())))
     return out
 
 
