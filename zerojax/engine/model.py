@@ -54,3 +54,8 @@ def call_loss(model: Model, params: dict, batch, rng=None, state=None):
 
 def identity(tree):
   return tree
+
+
+def user_views(model: Model) -> tuple[Callable, Callable]:
+  """`(to_user, from_user)` of `model`: its views of the user's tree, `identity` where it has none."""
+  return model.to_user or identity, model.from_user or identity

@@ -42,7 +42,7 @@ from zerojax import mesh as mesh_lib
 from zerojax.executor.states import TrainStates
 from zerojax.executor.step import StepMetrics, Steps  # noqa: F401  (StepMetrics re-exported)
 from zerojax.mesh import axis_sizes
-from zerojax.engine.model import Model, identity
+from zerojax.engine.model import Model, user_views
 from zerojax.state.placement import Placement
 from zerojax.plan import Plan
 from zerojax.state.train_state import TrainState, stateful_components
@@ -92,7 +92,7 @@ class Executor:
     if not isinstance(shapes, dict):
       raise TypeError(f"model.init must return a dict of units, got {type(shapes).__name__}")
     self.layout = layout_lib.make_layout(shapes, model.scanned, mesh.size * plan.alignment)
-    self.to_user, self.from_user = model.to_user or identity, model.from_user or identity
+    self.to_user, self.from_user = user_views(model)
     self.user_optimizer = optimizer
     self.optimizer = logical_lib.logical_optimizer(optimizer, self.layout, self.to_user, self.from_user)
     self.param_specs = layout_lib.specs(self.layout, plan.sharding.opt_order)

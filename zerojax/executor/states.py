@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.engine import layout as layout_lib
-from zerojax.engine.model import Model
+from zerojax.engine.model import Model, user_views
 from zerojax.state.placement import Placement
 from zerojax.state.train_state import TrainState
 
@@ -44,10 +44,10 @@ class TrainStates:
     return self.placement.mesh
 
   def to_user(self, tree):
-    return (self.model.to_user or (lambda t: t))(tree)
+    return user_views(self.model)[0](tree)
 
   def from_user(self, tree):
-    return (self.model.from_user or (lambda t: t))(tree)
+    return user_views(self.model)[1](tree)
 
   def shardings(self, state_shapes: TrainState | None = None) -> TrainState:
     """NamedShardings of every field of the train state."""

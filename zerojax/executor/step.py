@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax import gpu_aot
 from zerojax.engine import layout as layout_lib, logical as logical_lib, offload as offload_lib
 from zerojax.engine.components import Components
-from zerojax.engine.model import Model, call_loss, identity
+from zerojax.engine.model import Model, call_loss, user_views
 from zerojax.state.placement import Placement
 from zerojax.state.stateful import InBackward, Phased, ReplacesWeights, SyncsReplicas, keep
 from zerojax.state.train_state import TrainState
@@ -222,8 +222,7 @@ class Steps:
       scanned = u in self.model.scanned
       cache = self._chunk_opts
       if u not in cache:
-        cache[u] = offload_lib.chunk_optimizer(self.user_optimizer, self.layout, u, scanned,
-                                               self.model.to_user or identity, self.model.from_user or identity)
+        cache[u] = offload_lib.chunk_optimizer(self.user_optimizer, self.layout, u, scanned, *user_views(self.model))
       opt, mine, empty = cache[u]
       hp, hs = host.params[u], [leaves[i] for i in mine]
       _, (hp, hs) = lax.optimization_barrier((stored[k - 2] if k >= 2 else grads, (hp, hs)))

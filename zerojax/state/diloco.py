@@ -111,11 +111,17 @@ class OuterSync(ReplacesWeights):
 
   def to_optax(self, momentum):
     """The optax state over the list of leaves, from `OuterState.momentum`."""
-    return (optax.TraceState(trace=jax.tree.leaves(momentum)), optax.EmptyState()) if self.plain else momentum
+    if not self.plain:
+      return momentum
+    return jax.tree.unflatten(jax.tree.structure(self._state_shapes()), jax.tree.leaves(momentum))
 
-  def from_optax(self, state, like):
-    """`OuterState.momentum` from the optax state (`like`: a tree shaped like the parameters)."""
-    return jax.tree.unflatten(jax.tree.structure(like), state[0].trace) if self.plain else state
+  def from_optax(self, state):
+    """`OuterState.momentum` from the optax state over the list of leaves (or a tree shaped like it): with
+    DiLoCo's SGD its one leaf per parameter (the momentum) in the parameters' tree."""
+    if not self.plain:
+      return state
+    return jax.tree.unflatten(jax.tree.structure(self.layout.tree(), is_leaf=layout_lib.is_layout),
+                              jax.tree.leaves(state))
 
   def owners(self, state):
     """Per leaf of the optax state, the index of the parameter leaf it is shaped like, or -1 (a scalar such
@@ -126,9 +132,7 @@ class OuterSync(ReplacesWeights):
 
   def init(self, flat):
     params = jax.tree.map(jnp.copy, flat)
-    if self.plain:
-      return OuterState(params=params, momentum=jax.tree.map(jnp.zeros_like, flat))
-    return OuterState(params=params, momentum=self.optimizer.init(jax.tree.leaves(params)))
+    return OuterState(params=params, momentum=self.from_optax(self.optimizer.init(jax.tree.leaves(params))))
 
   def _state_shapes(self):
     leaves = [jax.ShapeDtypeStruct(l.flat_shape(), jnp.float32) for l in self.layout.leaves]
@@ -136,12 +140,10 @@ class OuterSync(ReplacesWeights):
 
   def specs(self) -> OuterState:
     params = layout_lib.specs(self.layout, self.opt_order)
-    if self.plain:
-      return OuterState(params=params, momentum=params)
     flat = jax.tree.leaves(params, is_leaf=lambda s: isinstance(s, P))
     state = self._state_shapes()
-    return OuterState(params=params, momentum=jax.tree.unflatten(
-        jax.tree.structure(state), [flat[i] if i >= 0 else P() for i in jax.tree.leaves(self.owners(state))]))
+    return OuterState(params=params, momentum=self.from_optax(jax.tree.unflatten(
+        jax.tree.structure(state), [flat[i] if i >= 0 else P() for i in jax.tree.leaves(self.owners(state))])))
 
   def phase(self, state) -> str | None:
     f = self.diloco.fragment_at(int(state.step))
@@ -197,7 +199,7 @@ class OuterSync(ReplacesWeights):
         mine = d.mix * part(p_leaves[i][0], i) + (1 - d.mix) * new[i]
       p_leaves[i] = put(p_leaves[i][0], mine, i)[None]
     unflat = lambda leaves: jax.tree.unflatten(treedef, leaves)
-    return unflat(p_leaves), unflat(o_leaves), self.from_optax(state, outer)
+    return unflat(p_leaves), unflat(o_leaves), self.from_optax(state)
 
   @property
   def moving_nodes(self) -> tuple[str, ...]:
@@ -209,8 +211,6 @@ class OuterSync(ReplacesWeights):
     (its scalars, such as a step count, are not counted, as `memory_report` measures arrays only)."""
     shards = group_size(self.mesh, self.opt_order)
     numel = sum(l.padded * (l.layers or 1) for l in self.layout.leaves)
-    if self.plain:
-      return 2 * 4 * numel // shards
     state = self._state_shapes()
     return 4 * numel // shards + sum(x.size * x.dtype.itemsize // shards for x, i in
                                      zip(jax.tree.leaves(state), jax.tree.leaves(self.owners(state))) if i >= 0)
@@ -237,9 +237,7 @@ class OuterSync(ReplacesWeights):
                     to_logical=lambda x: layout_lib.unflatten_leaf(x, lay),
                     from_logical=lambda x: layout_lib.flatten_leaf(x, lay), seeds_replicas=seeds)
     out = [logical(lay, np.float32, seeds=True) for lay in self.layout.leaves]  # a joining replica starts here
-    if self.plain:
-      return out + [logical(lay, np.float32) for lay in self.layout.leaves]
-    state = self._state_shapes()
+    state = self._state_shapes()  # its leaves in the order of `OuterState.momentum`'s
     for x, i in zip(jax.tree.leaves(state), jax.tree.leaves(self.owners(state))):
       out.append(logical(self.layout.leaves[i], x.dtype) if i >= 0 else
                  Stored(tuple(x.shape), np.dtype(x.dtype), NamedSharding(self.mesh, P())))

@@ -28,8 +28,6 @@ from zerojax.mesh import group_size
 from zerojax.engine.offload import HostOffload
 from zerojax.state.stateful import keep
 
-REPLICATED_FIELDS = ("params", "opt_state", "skipped")  # the train-state fields that hold one copy per replica
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Placement:
@@ -47,15 +45,19 @@ class Placement:
   offload: HostOffload = HostOffload()
 
   replica_axes: tuple[str, ...] = ()  # the axes the replicas train apart over: none here
-  fields: tuple[str, ...] = ()        # the train-state fields that lead with the replica axis: none here
 
   @staticmethod
   def of(mesh: Mesh, master_specs: dict, opt_order: tuple[str, ...], offload: HostOffload,
          replicas_apart: tuple[str, ...]) -> "Placement":
     """The placement of a plan whose replicas train apart over `replicas_apart` (() for one copy)."""
     if replicas_apart:
-      return Replicas(mesh, master_specs, opt_order, offload, replicas_apart, REPLICATED_FIELDS)
+      return Replicas(mesh, master_specs, opt_order, offload, replicas_apart)
     return Placement(mesh, master_specs, opt_order, offload)
+
+  @property
+  def fields(self) -> tuple[str, ...]:
+    """The train-state fields that lead with the replica axis: none here."""
+    return ()
 
   @property
   def replicas(self) -> int:
@@ -119,6 +121,10 @@ class Placement:
 class Replicas(Placement):
   """One copy per replica (DiLoCo, Algorithm 1): the fields `fields` lead with `[replicas, ...]` sharded
   over `replica_axes`; each device trains its replica, and nothing in the step crosses the replicas."""
+
+  @property
+  def fields(self) -> tuple[str, ...]:
+    return ("params", "opt_state", "skipped")
 
   @property
   def replicas(self) -> int:
