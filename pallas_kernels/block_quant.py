@@ -7,10 +7,11 @@ Every kernel works on a tile of R blocks, i.e. a [R, B] slice of the [M, B] view
 computes the format of `pallas_kernels.block_format` with its functions, so that results agree bit for
 bit with the xla backend: scale = absmax * fp32(1 / qmax) rounded up to 16 significant bits, codes the
 exactly rounded |x| / scale (an estimate corrected by exact comparisons), value = code *
-scale, fp32 sums in slab order. When int4
-is involved a tile is split into its even and odd elements (two "lanes" read with stride 2), which
-are exactly the low and high nibbles of the packed bytes; absmax is the max over both lanes, which
-is the same number.
+scale, fp32 sums in slab order. Tiles are loaded and stored whole (contiguous, so Triton vectorizes
+them); int4 codes are split into their even and odd elements (the low and high nibbles) in registers
+just before packing and joined just after unpacking. The rotation runs on whole rows
+(`hadamard.fwht_tile`), fused into the kernel: one pass over memory (docs/quantization.md, "Where the
+time goes").
 
 The estimate of a code is rint(|x| * r) with one reciprocal r per block (`rcp.approx` on GPUs, any
 reciprocal within a few ulp serves: `block_format`) and a multiplication per element; its rounding is
@@ -72,112 +73,100 @@ class _Ops:
     return _asm("cvt.rmi.f32.f32", a) if self.gpu else jnp.floor(a)
 
 
-# --- tile helpers: a tile is a tuple of lanes, (all,) or (even, odd) ------------------------------
+# --- tile helpers: whole [R, B] tiles, loaded and stored contiguously -----------------------------
+# int4 pairs elements (2j, 2j+1) in a byte (low, high nibble): the codes are split into their even and
+# odd elements in registers just before packing, and joined back just after unpacking, so that every
+# global load and store of a kernel is of a contiguous tile (vectorized by Triton), never a stride-2 lane.
 
-def _lanes(ref, n_lanes: int):
-  """Reads a [R, L] tile as lanes of its last axis."""
-  if n_lanes == 1:
-    return (ref[...],)
-  h = ref.shape[-1] // 2
-  return tuple(ref[:, pl.ds(i, h, stride=2)] for i in range(2))
-
-
-def _store_lanes(ref, lanes) -> None:
-  if len(lanes) == 1:
-    ref[...] = lanes[0]
-    return
-  h = ref.shape[-1] // 2
-  ref[:, pl.ds(0, h, stride=2)] = lanes[0]
-  ref[:, pl.ds(1, h, stride=2)] = lanes[1]
+def _even_odd(x):
+  """[R, L] -> its even and odd elements, [R, L/2] each (a split of a trailing pair: in registers)."""
+  r, l = x.shape
+  a, b = lax.split(x.reshape(r, l // 2, 2), (1, 1), axis=2)
+  return a.reshape(r, l // 2), b.reshape(r, l // 2)
 
 
-def _load_codes(v_ref, bits: int, n_lanes: int):
-  """Stored values -> int32 code lanes."""
-  if bits == 8:
-    return tuple(v.astype(jnp.int32) for v in _lanes(v_ref, n_lanes))
+def _interleave(even, odd):
+  """Inverse of `_even_odd`."""
+  r, h = even.shape
+  return jnp.stack([even, odd], axis=-1).reshape(r, 2 * h)
+
+
+def _load_codes(v_ref, bits: int):
+  """Stored values [R, Bp] -> int32 codes [R, B]."""
   b = v_ref[...].astype(jnp.int32)
-  return (((b & 0xF) ^ 8) - 8, (((b >> 4) & 0xF) ^ 8) - 8)
+  if bits == 8:
+    return b
+  return _interleave(((b & 0xF) ^ 8) - 8, (((b >> 4) & 0xF) ^ 8) - 8)
 
 
 def _store_codes(v_ref, codes, bits: int) -> None:
   if bits == 8:
-    _store_lanes(v_ref, tuple(c.astype(jnp.int8) for c in codes))
+    v_ref[...] = codes.astype(jnp.int8)
   else:
-    v_ref[...] = ((codes[0] & 0xF) | ((codes[1] & 0xF) << 4)).astype(jnp.uint8)
+    lo, hi = _even_odd(codes)
+    v_ref[...] = ((lo & 0xF) | ((hi & 0xF) << 4)).astype(jnp.uint8)
 
 
 def _dequant(codes, scale_R):
-  s = scale_R.astype(jnp.float32)[:, None]
-  return tuple(c.astype(jnp.float32) * s for c in codes)
+  return codes.astype(jnp.float32) * scale_R.astype(jnp.float32)[:, None]
 
 
-def _quant(xs, bits: int, ops: _Ops, us=None):
-  """fp32 lanes [R, *] -> (int32 code lanes, scales [R]); `us`: noise lanes, stochastic rounding."""
-  amax = None
-  for x in xs:
-    m = jnp.max(jnp.where(x != x, jnp.inf, jnp.abs(x)), axis=1)
-    amax = m if amax is None else jnp.maximum(amax, m)
+def _quant(x, bits: int, ops: _Ops, u=None):
+  """fp32 [R, B] -> (int32 codes [R, B], scales [R]); `u`: noise [R, B], stochastic rounding."""
+  amax = jnp.max(jnp.where(x != x, jnp.inf, jnp.abs(x)), axis=1)
   scale = block_format.scale_of(amax, bits)
   s = scale[:, None]
-  inv = block_format.inverse_scale(scale, ops.rcp)[:, None] if us is None else None
-  codes = []
-  for i, x in enumerate(xs):
-    if us is None:  # the estimate: a product per element, corrected exactly (block_format)
-      q = block_format.nearest_codes(x, s, bits, ops.rint(jnp.abs(x) * inv))
-    else:
-      q = block_format.stochastic_codes(ops.floor(ops.div(x, jnp.broadcast_to(s, x.shape)) + us[i]), s, bits)
-    codes.append(q.astype(jnp.int32))
-  return tuple(codes), scale
+  if u is None:  # the estimate: a product per element, corrected exactly (block_format)
+    inv = block_format.inverse_scale(scale, ops.rcp)[:, None]
+    q = block_format.nearest_codes(x, s, bits, ops.rint(jnp.abs(x) * inv))
+  else:
+    q = block_format.stochastic_codes(ops.floor(ops.div(x, jnp.broadcast_to(s, x.shape)) + u), s, bits)
+  return q.astype(jnp.int32), scale
 
 
 # --- kernels --------------------------------------------------------------------------------------
 
-def _rotated(lanes, rotate: bool, which: int):
-  """The lanes times the block's Hadamard matrix (`which`: 0 forward, 1 inverse scale), or as they are."""
+def _rotated(x, rotate: bool, which: int):
+  """The tile's rows times the block's Hadamard matrix (`which`: 0 forward, 1 inverse scale), or as they are."""
   if not rotate:
-    return lanes
-  return hadamard.fwht_lanes(*lanes, hadamard.scales(2 * lanes[0].shape[-1])[which])
+    return x
+  return hadamard.fwht_tile(x, hadamard.scales(x.shape[-1])[which])
 
 
 def _quantize_kernel(x_ref, *refs, bits, ops, rotate, noisy):
   u_ref, v_ref, s_ref = refs if noisy else (None, *refs)
-  n_lanes = 2 if bits == 4 or rotate else 1
-  xs = _rotated(tuple(x.astype(jnp.float32) for x in _lanes(x_ref, n_lanes)), rotate, 0)
-  codes, scale = _quant(xs, bits, ops, _lanes(u_ref, n_lanes) if noisy else None)
+  x = _rotated(x_ref[...].astype(jnp.float32), rotate, 0)
+  codes, scale = _quant(x, bits, ops, u_ref[...] if noisy else None)
   _store_codes(v_ref, codes, bits)
   s_ref[...] = scale
 
 
 def _dequantize_kernel(v_ref, s_ref, o_ref, *, bits, rotate):
-  n_lanes = 2 if bits == 4 or rotate else 1
-  ys = _rotated(_dequant(_load_codes(v_ref, bits, n_lanes), s_ref[...]), rotate, 1)
-  _store_lanes(o_ref, tuple(y.astype(o_ref.dtype) for y in ys))
+  y = _rotated(_dequant(_load_codes(v_ref, bits), s_ref[...]), rotate, 1)
+  o_ref[...] = y.astype(o_ref.dtype)
 
 
-def _sum_slabs(refs, bits, n_lanes):
+def _sum_slabs(refs, bits):
   """refs = K value tiles, then K scale tiles (one per received slab); fp32 sum, slab 0 first."""
   k = len(refs) // 2
   acc = None
   for v_ref, s_ref in zip(refs[:k], refs[k:]):
-    ys = _dequant(_load_codes(v_ref, bits, n_lanes), s_ref[...])
-    acc = ys if acc is None else tuple(a + y for a, y in zip(acc, ys))
+    y = _dequant(_load_codes(v_ref, bits), s_ref[...])
+    acc = y if acc is None else acc + y
   return acc
 
 
 def _dequant_sum_quantize_kernel(*refs, bits, out_bits, ops, noisy):
   *ins, ov_ref, os_ref = refs
-  n_lanes = 2 if 4 in (bits, out_bits) else 1
   u_ref, ins = (ins[-1], ins[:-1]) if noisy else (None, ins)
-  acc = _sum_slabs(ins, bits, n_lanes)
-  codes, scale = _quant(acc, out_bits, ops, _lanes(u_ref, n_lanes) if noisy else None)
+  codes, scale = _quant(_sum_slabs(ins, bits), out_bits, ops, u_ref[...] if noisy else None)
   _store_codes(ov_ref, codes, out_bits)
   os_ref[...] = scale
 
 
 def _dequant_sum_kernel(*refs, bits, rotate):
   *ins, o_ref = refs
-  acc = _rotated(_sum_slabs(ins, bits, 2 if bits == 4 or rotate else 1), rotate, 1)
-  _store_lanes(o_ref, tuple(a.astype(o_ref.dtype) for a in acc))
+  o_ref[...] = _rotated(_sum_slabs(ins, bits), rotate, 1).astype(o_ref.dtype)
 
 
 # --- launch helpers -------------------------------------------------------------------------------

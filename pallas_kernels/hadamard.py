@@ -1,9 +1,10 @@
 """Block Walsh–Hadamard transform and stochastic-rounding noise, shared by every kernel backend.
 
-The transform is written on the two lanes of a tile (its even and odd elements, the int4 kernels'
-low and high nibbles), as a fixed sequence of butterflies: first the pair (2j, 2j+1), i.e. the two
-lanes, then strides 1, 2, ... inside each lane. Every backend runs exactly these additions in this
-order, so rotated results agree bit for bit. Each butterfly stage is an involution up to a factor 2,
+The transform is a fixed sequence of butterflies along a row: stage h = 1, 2, 4, ..., B/2 pairs element
+i with i + h inside each group of 2h (a + b to the lower, a - b to the upper). Every backend runs
+exactly these additions in this order, so rotated results agree bit for bit. (Seen on the two lanes of
+a row, its even and odd elements: stage 1 is the pair (even, odd), and stage 2h is stage h inside each
+lane; `fwht_lanes` computes it that way, `fwht_tile` on whole rows, with the same bits.) Each butterfly stage is an involution up to a factor 2,
 so applying the unnormalised transform twice multiplies by B; the forward and inverse scales are
 powers of two whose product is 1 / B (exact), and for B = 4^k each is 1 / sqrt(B): the orthonormal
 Hadamard matrix H / sqrt(B).
@@ -48,6 +49,12 @@ def _lane_fwht(x: jax.Array) -> jax.Array:
     x = jnp.swapaxes(jnp.stack([a + b, a - b], axis=-1), 2, 3).reshape(r, n)
     h *= 2
   return x
+
+
+def fwht_tile(x_RxB: jax.Array, scale: float) -> jax.Array:
+  """[R, B] fp32 -> each row times H_B, times `scale`: the butterflies on whole rows, as the compiled
+  kernels run them (contiguous tiles: no strided loads, no lane split before the rotation)."""
+  return _lane_fwht(x_RxB) * jnp.float32(scale)
 
 
 def fwht_lanes(even: jax.Array, odd: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
