@@ -6,8 +6,9 @@ parameters, the gradients and the activations. Here the offloaded train-state fi
 whose shardings have the memory kind "pinned_host" (the same shards as on the device, in each device's
 host memory); the step moves them to the device where it reads them and back after the optimizer's update
 (`fetch` / `store`, `jax.device_put` to a memory space inside the jitted step), and XLA schedules the
-copies. The update itself runs on the device: XLA:GPU runs host computations only experimentally
-(docs/offload.md compares the two on the compiled program).
+copies. The update runs on the device by default, streamed chunk by chunk; `Sharding.offload_update="host"`
+runs it on the host instead (`host_update`, `compute_on("device_host")`): only the gradients go down and the
+16-bit parameters come up, ZeRO-Offload's data flow (docs/offload.md compares the two).
 
 `HostOffload` is the component of `zerojax.engine.components.compile` that decides where each field lives: the
 executor's shardings (`place`), the step (`fetch`, `store`), the checkpoint spec (through the shardings)
@@ -20,6 +21,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import numpy as np
@@ -27,6 +29,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 import jax.numpy as jnp
+import optax
 
 from zerojax.engine import layout as layout_lib, logical as logical_lib
 from zerojax.engine.jaxpr_walk import sub_jaxprs
@@ -44,22 +47,43 @@ class HostOffload:
   Attributes:
     fields: the `TrainState` fields held in host memory ("params": the fp32 master weights, "opt_state").
       Only their arrays (ndim >= 1) move; scalars such as Adam's step count stay on the device.
-    stream: the update streams chunk by chunk (`Sharding.offload_update`, `Steps._streamed_update`); False fetches every
-      state at once after the backward, as a plan with a stateful component does (the before of
-      docs/offload.md, which `benchmarks/bench_offload.py --fit_probe --bulk` measures).
+    update: `Sharding.offload_update`: "streamed" (on the device, chunk by chunk, `Steps._streamed_update`),
+      "bulk" (every state fetched at once after the backward, as a plan with a stateful component does: the
+      before of docs/offload.md, which `benchmarks/bench_offload.py --fit_probe --bulk` measures) or "host"
+      (on the host, `host_update`).
   """
   fields: tuple[str, ...] = ()
-  stream: bool = True
+  update: str = "streamed"
 
   @classmethod
   def of(cls, plan, mesh: Mesh) -> "HostOffload":
-    offload = plan.sharding.offload
+    offload, update = plan.sharding.offload, plan.sharding.offload_update
     if offload:
       check_supported(mesh, f"plan {plan.name!r}: offload={offload}")
-    return cls(tuple(FIELD[f] for f in offload), stream=plan.sharding.offload_update == "streamed")
+      if update == "host":
+        check_host_update(mesh, offload, f"plan {plan.name!r}: offload_update='host'")
+    return cls(tuple(FIELD[f] for f in offload), update=update)
+
+  @property
+  def stream(self) -> bool:
+    """The update runs on the device chunk by chunk."""
+    return self.update == "streamed"
+
+  @property
+  def on_host(self) -> bool:
+    """The update runs on the host (`host_update`)."""
+    return bool(self.fields) and self.update == "host"
 
   def host(self, field: str) -> bool:
     return field in self.fields
+
+  def forward_params(self, master, dtype):
+    """Inside the jitted step: the master weights the forward reads (step 0 rounds them to `dtype`). With the
+    update on the host they are rounded there, so the 16-bit copy crosses the link, not the fp32 one
+    (ZeRO-Offload §4.1); the forward's own rounding then changes nothing."""
+    if self.on_host:
+      master = host_call(lambda t: jax.tree.map(lambda x: x.astype(dtype), t), HOST_SPACE)(master)
+    return self.fetch("params", master)
 
   def place(self, field: str, shardings, shapes):
     """The shardings of `field` (a tree like `shapes`, a tree of arrays or ShapeDtypeStructs): with the
@@ -103,6 +127,65 @@ def check_supported(mesh: Mesh, what: str) -> None:
     raise ValueError(f"{what} needs the memory kind {HOST!r}, which {device.platform} devices of jax "
                      f"{jax.__version__} do not offer (they have {sorted(kinds) or 'none'}); drop offload, or "
                      "run on GPUs or CPUs (jax >= 0.4.31)")
+
+
+HOST_SPACE = jax.memory.Space.Host
+
+
+def host_call_api():
+  """`compute_on` in the form that names its outputs' memory: jax 0.11+'s `compute_on(compute_type=...,
+  out_memory_spaces=...)`, jax 0.10's `compute_on2` (its `compute_on` is a context manager whose outputs are
+  device memory); None where jax has neither."""
+  from jax.experimental import compute_on as api
+  if "out_memory_spaces" in inspect.signature(api.compute_on).parameters:
+    return api.compute_on
+  return getattr(api, "compute_on2", None)
+
+
+def host_call(f, out_spaces):
+  """`f` computed on the host (`compute_type="device_host"`), its outputs in `out_spaces` (a memory space,
+  or a tree of them like `f`'s outputs). Its inputs must be host memory."""
+  return host_call_api()(compute_type="device_host", out_memory_spaces=out_spaces)(f)
+
+
+def check_host_update(mesh: Mesh, offload: tuple, what: str) -> None:
+  """Raises a one-line error unless the update can run on the host: both fields offloaded (the update reads
+  the master weights and writes them), a jax with `host_call_api`, CPU or GPU devices (where it compiles:
+  docs/offload.md)."""
+  if set(offload) != set(OFFLOADABLE):
+    raise ValueError(f"{what} updates the master weights and optimizer states where they live, so it needs "
+                     f"offload=('opt_state', 'master'), not {offload}; offload both or use offload_update='streamed'")
+  if host_call_api() is None:
+    raise ValueError(f"{what} needs jax's compute_on with out_memory_spaces, which jax {jax.__version__} lacks; "
+                     "use offload_update='streamed' or jax >= 0.10")
+  platform = mesh.devices.flat[0].platform
+  if platform not in ("cpu", "gpu", "cuda"):
+    raise ValueError(f"{what} computes on the host of {platform} devices, which zerojax has not compiled; use "
+                     "offload_update='streamed'")
+
+
+def as_device(tree):
+  """Inside `host_call`: `tree` typed as device memory. Jax (0.10.2) types an array made inside the host
+  computation (a `zeros_like`, e.g. optax's norm takes `x.imag`) as device memory and refuses to add it to a
+  host-typed input ("memory_space of all inputs passed to `add` must be the same"): typed alike, they add."""
+  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if np.ndim(x) else x, tree)
+
+
+def host_update(update, keep, grads, opt_state, master, finite):
+  """Inside the jitted step: `update(grads, opt_state, master)` (an optax update) and its application, computed
+  on the host (ZeRO-Offload, Ren et al. 2021, §4.1: the fp32 Adam step on the CPU). The gradients go down;
+  the offloaded states and master weights are read and written in host memory and never reach the device;
+  scalars (Adam's count, `finite`) go down and the new ones come back. `keep(finite, new, old)` skips a
+  non-finite step. -> (new master, new opt_state), arrays in host memory."""
+  space = lambda x: HOST_SPACE if np.ndim(x) else jax.memory.Space.Device
+  down = lambda t: jax.tree.map(lambda x: jax.device_put(x, HOST_SPACE), t)
+
+  def step(g, s, p, ok):
+    g, s, p = as_device((g, s, p))
+    updates, s_new = update(g, s, p)
+    return keep(ok, optax.apply_updates(p, updates), p), keep(ok, s_new, s)
+  spaces = jax.tree.map(space, (master, opt_state))
+  return host_call(step, spaces)(down(grads), down(opt_state), down(master), down(finite))
 
 
 def sharding_kind(sharding: NamedSharding) -> str:

@@ -61,6 +61,9 @@ class Steps:
     self.model, self.optimizer, self.user_optimizer, self.layout = model, optimizer, user_optimizer, layout
     self.components, self.placement, self.stateful, self.metas = components, placement, stateful, metas
     self.accum_steps = accum_steps
+    if placement.offload.on_host and stateful:
+      raise ValueError(f"offload_update='host' runs the whole update on the host, but the plan's {sorted(stateful)} "
+                       "read the step's updates on the device; use offload_update='streamed'")
     self.mesh = placement.mesh
     self.world = self.mesh.size
     self.batch_axes = tuple(self.mesh.axis_names)  # the batch is sharded over every device
@@ -166,7 +169,7 @@ class Steps:
     where = self.placement
     offload = where.offload  # offloaded fields come to the device where read, then go back
     host = state
-    state = state.replace(params=offload.fetch("params", host.params))  # for step 0's gathers
+    state = state.replace(params=offload.forward_params(host.params, self.components.gather.dtype))  # step 0's
     start = state.params  # what the step started from, before any barrier behind the backward
     data = P(None, self.batch_axes)
     body_in = {n: c.body_in(state.stateful[n], phase) for n, c in self.stateful.items()}
@@ -180,8 +183,11 @@ class Steps:
     # One optimizer per copy: each replica's norm, update and skip are its own.
     grad_norm = where.per_replica(optax.tree.norm)(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if offload.fields and offload.stream and not self.stateful:  # states stream through the device chunk by chunk
-      params, opt_state = self._streamed_update(host, grads, finite)
+    if offload.on_host or (offload.fields and offload.stream and not self.stateful):
+      # on the host the gradients go down and the states stay there; streamed, they pass the device chunk by chunk
+      params, opt_state = (offload_lib.host_update(where.per_replica(self.optimizer.update), where.keep, grads,
+                                                   host.opt_state, host.params, finite) if offload.on_host
+                           else self._streamed_update(host, grads, finite))
       new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                           skipped=state.skipped + (~finite).astype(jnp.int32),
                           mutable=keep(finite, mutable, state.mutable))

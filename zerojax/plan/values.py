@@ -47,9 +47,10 @@ class Sharding:
     offload: the train-state fields that live in host memory (ZeRO-Offload, Ren et al. 2021, §4):
       `()` (none), `("opt_state",)` (the optimizer states), `("opt_state", "master")` (and the fp32
       master weights). The step moves them to the device for its update and back (`zerojax.engine.offload`).
-    offload_update: how the update of offloaded states runs on the device: "streamed" (chunk by chunk,
-      at most three units' states on the device at once; docs/offload.md) or "bulk" (every state fetched
-      at once after the backward, as ZeRO-Offload's GPU fallback and MaxText do).
+    offload_update: where and how the update of offloaded states runs: on the device, "streamed" (chunk by
+      chunk, at most three units' states on the device at once; docs/offload.md) or "bulk" (every state
+      fetched at once after the backward, as MaxText does); or "host" (on the host with `compute_on`, only
+      the gradients moving down and the 16-bit parameters up: ZeRO-Offload, Ren et al. 2021, §4).
   """
   param_axes: Axes = AXES
   grad_axes: Axes = AXES
@@ -62,8 +63,9 @@ class Sharding:
     if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
       raise ValueError(f"pad_multiple={self.pad_multiple!r} must be a whole number >= 1 (e.g. 256)")
     object.__setattr__(self, "offload", checks.offload(self.offload))
-    if self.offload_update not in ("streamed", "bulk"):
-      raise ValueError(f"offload_update={self.offload_update!r}; use 'streamed' (chunk by chunk) or 'bulk'")
+    if self.offload_update not in ("streamed", "bulk", "host"):
+      raise ValueError(f"offload_update={self.offload_update!r}; use 'streamed' (on the device, chunk by chunk), "
+                       "'bulk' or 'host' (on the host)")
     for f in ("param_axes", "grad_axes", "opt_axes"):
       object.__setattr__(self, f, checks.axes(getattr(self, f)))
       axes = getattr(self, f)
