@@ -15,6 +15,7 @@ import pytest
 import zerojax
 from tests import helpers
 from zerojax.analysis import collectives_from_hlo
+from zerojax.engine.components import GradReduction
 
 COLLECTIVES = re.compile(r"\b(all-gather|reduce-scatter|all-to-all|all-reduce|collective-permute)(-start)?\(")
 QUANTIZED = re.compile(r"\b(s8|u8|s4|u4|f8e4m3fn|f8e5m2)\[")
@@ -115,3 +116,36 @@ def test_two_by_four_keeps_its_collectives(name):
   if name == "zeropp":
     assert QUANTIZED.findall(hlo)
   assert ex.components.gather.moves and ex.components.mean_axes == ("node", "gpu")
+
+
+def _bf16_step(name, accum, monkeypatch=None):
+  """(loss, gradient norm, logical params, temp bytes, HLO) after one bf16-compute step on one device; with
+  `monkeypatch` the gradient sinks are kept in `reduce_dtype` (fp32), as they were before
+  `GradReduction.kept_in`."""
+  if monkeypatch is not None:
+    monkeypatch.setattr(GradReduction, "kept_in", lambda self, dtype: self)
+  model = helpers.tiny_gpt()
+  ex = zerojax.Executor(model, helpers.optimizer(), PLANS.get(name, zerojax.dp)(compute_dtype="bfloat16"),
+                        mesh(1, 1), accum_steps=accum)
+  state = ex.init_from_params(jax.jit(model.init)(jax.random.key(0)))
+  batch = jax.device_put(helpers.batches(1, accum)[0], ex.batch_sharding)
+  compiled = ex.step_fn().lower(state, batch).compile()
+  state, m = compiled(state, batch)
+  return (float(m.loss), float(m.grad_norm), jax.device_get(ex.logical_params(state)),
+          compiled.memory_analysis().temp_size_in_bytes, compiled.as_text())
+
+
+@pytest.mark.parametrize("name", ["dp", "zero3"])
+def test_one_device_keeps_16bit_gradients(name, monkeypatch):
+  """Nothing reduced or accumulated (one device, one micro-step, bf16 compute): the gradient stays in bf16
+  until the step divides it, so the step holds less than with fp32 sinks, with the same bits. With two
+  micro-steps the window accumulates in fp32: the program is the fp32-sink one."""
+  loss, norm, params, temp, _ = _bf16_step(name, 1)
+  want_loss, want_norm, want, want_temp, _ = _bf16_step(name, 1, monkeypatch)
+  assert (loss, norm) == (want_loss, want_norm)
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    np.testing.assert_array_equal(x, _at(want, path), err_msg=jax.tree_util.keystr(path))
+  assert temp < want_temp, (temp, want_temp)
+  monkeypatch.undo()
+  accumulated = _bf16_step(name, 2)[4]
+  assert accumulated == _bf16_step(name, 2, monkeypatch)[4]

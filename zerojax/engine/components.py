@@ -181,6 +181,15 @@ class GradReduction:
   stochastic_rounding: bool
   owner: str
 
+  def kept_in(self, dtype: str) -> GradReduction:
+    """This reduction where nothing is reduced or accumulated: the gradient stays in `dtype`, the dtype it
+    is computed in, until the optimizer step widens it (`Steps`). A wider sink would hold the same values
+    at twice the bytes; `jax.grad` of a 16-bit computation keeps its 16-bit gradients the same way."""
+    if self.order:
+      raise ValueError(f"plan {self.owner!r}: the gradient is reduced over {self.order}; it is kept in "
+                       f"reduce_dtype={self.dtype!r}")
+    return dataclasses.replace(self, dtype=dtype)
+
   def sinks(self, layout_tree) -> Any:
     """Zero gradient sinks `[padded / |A_g|]` for a tree of `LeafLayout`s."""
     degree = math.prod(self.sizes)
@@ -285,6 +294,11 @@ class Components:
   mean_axes: tuple[str, ...] = ()
   replicas_apart: tuple[str, ...] = ()
   offload: HostOffload = HostOffload()
+
+  @property
+  def reduces(self) -> bool:
+    """Whether any collective reduces the gradient: over A_g in the backward, or at the boundary."""
+    return bool(self.reduction.order or self.sync.to_opt or self.sync.replicas)
 
   def mean(self, x):
     """`x` averaged over the data-parallel devices (`lax.pmean` over `mean_axes`; `x` itself on one)."""

@@ -68,10 +68,11 @@ class Steps:
     self.world = self.mesh.size
     self.batch_axes = tuple(self.mesh.axis_names)  # the batch is sharded over every device
     self.batch_sharding = NamedSharding(self.mesh, P(None, self.batch_axes))
-    self._step, self._checked, self._chunk_opts = None, False, {}
+    self._step, self._reduction, self._chunk_opts = None, None, {}
 
   def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None) -> dict:
-    metas = {u: dataclasses.replace(m, sync_axes=sync_axes) for u, m in self.metas.items()}
+    reduction = self._reduction or self.components.reduction
+    metas = {u: dataclasses.replace(m, sync_axes=sync_axes, reduction=reduction) for u, m in self.metas.items()}
     state = state or {}
     return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), metas[u],
                            state.get(u)) for u in p_shards}
@@ -85,16 +86,17 @@ class Steps:
     syncer = next((c for c in self.stateful.values() if isinstance(c, SyncsReplicas) and phase in c.phases), None)
     master = self.placement.local(master)  # this device's copy
     p_shards = parts.gather.from_master(master)  # step 0
-    zeros_g = parts.reduction.sinks(self.layout.tree())
     rank = lax.axis_index(self.batch_axes)  # node-major, as the batch is sharded
     key = lambda i: None if rng is None else jax.random.fold_in(
         jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), step), i), rank)
-    if not self._checked:  # once per executor: every use of a parameter shard is a unit's
-      mb = jax.tree.map(lambda x: x[0], batch)
-      jaxpr = jax.make_jaxpr(lambda sh: call_loss(model, self._units(sh, zeros_g), mb, key(0), mutable)[0])(
-          p_shards)
+    if self._reduction is None:  # once per executor: every use of a parameter shard is a unit's
+      mb, traced = jax.tree.map(lambda x: x[0], batch), {}
+      wide = parts.reduction.sinks(self.layout.tree())
+      jaxpr = jax.make_jaxpr(lambda sh: call_loss(
+          model, traced.setdefault("u", self._units(sh, wide)), mb, key(0), mutable)[0])(p_shards)
       logical_lib.check_units_own_params(jaxpr.jaxpr, jaxpr.jaxpr.invars)
-      self._checked = True
+      self._reduction = self._gradient_reduction(traced["u"])
+    zeros_g = self._reduction.sinks(self.layout.tree())
 
     state = lambda e, i: parts.reduction.unit_states(self.metas, e, step, i, rank)
 
@@ -142,11 +144,25 @@ class Steps:
     denom = self.placement.divisor(self.world, self.accum_steps)
     out = {n: carried.get(n) for n in self.stateful}
     if syncer is None:
-      grads = jax.tree.map(lambda g: g / denom, acc)
+      grads = jax.tree.map(lambda g: g.astype(parts.reduction.dtype) / denom, acc)
     else:
       grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], denom, phase)
     grads, loss, aux = self.placement.per_copy((grads, loss, aux))
     return grads, loss, aux, mutable, out
+
+  def _gradient_reduction(self, units: dict):
+    """The reduction the step's units run: the plan's, or where no collective reduces the gradient, one
+    micro-step makes the whole window, no component syncs the replicas' gradients and every unit is called
+    once (a second call's gradient would be added to the first in the sink's dtype), the plan's kept in
+    the narrower dtype the gradient is computed in (`GradReduction.kept_in`): the step widens it to
+    `reduce_dtype` where it divides by the devices, with the same bits."""
+    parts = self.components
+    r, computed = parts.reduction, parts.gather.compute_dtype
+    if (parts.reduces or self.accum_steps > 1 or jnp.dtype(computed).itemsize >= jnp.dtype(r.dtype).itemsize
+        or any(isinstance(c, SyncsReplicas) for c in self.stateful.values())
+        or any(len(u.meta.calls) > 1 for u in units.values())):
+      return r
+    return r.kept_in(computed)
 
   def phase(self, state: TrainState) -> str:
     """The program a step of `state` runs: the one a stateful component picks (`Stateful.phase`), else
