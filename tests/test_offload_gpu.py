@@ -113,6 +113,47 @@ def test_streamed_update_writes_the_donated_host_buffers_in_place(monkeypatch):
   assert stacked["temp"] >= 12 * sum(l.padded * l.layers for l in blocks) > 0, stacked  # master 4 + moments 8
 
 
+def test_cli_compile_reports_the_offloaded_step_a_gpu_compiles(capsys):
+  """`cli.compile` on a compile-only H100 (dp, both fields offloaded): the step is compiled with its inputs in
+  host memory, as a GPU's jax types them. The in-place update shows it (host outputs are the donated host
+  arguments, no host temporaries: the inputs dropped to device memory would stack the layers anew), and the
+  device peak is that of the step traced on a CPU device (which has host memory) and compiled for the H100,
+  not that of the step traced on the compile-only H100 (its inputs' host memory dropped)."""
+  import json
+
+  import jax
+  import numpy as np
+  from jax._src import compiler
+  from jax._src.lib import xla_client as xc
+
+  gin_params = ["model_config.d_model=128", "model_config.seq_len=32", "model_config.num_layers=6",
+                "train.batch_size=1", "train.compute_dtype='bfloat16'", "dp.offload=('opt_state', 'master')"]
+  gin.clear_config()
+  try:
+    assert compile_cli.main(["--gin_file=configs/dp.gin", "--mesh=1x1", "--json"]
+                            + [f"--gin_param={p}" for p in gin_params]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    ex, _, cfg = compile_cli.gin_executor(["configs/dp.gin"], gin_params, "h100", 1, 1)
+  finally:
+    gin.clear_config()
+  shape = (1, 1, cfg.seq_len + 1)
+  host = compile_cli.memory_report(ex)["expected"]["host"]
+  assert rep["memory"]["host"] == {"argument": host, "output": host, "alias": host, "temp": 0}, (rep["memory"], host)
+  # the reference: traced on a CPU device, lowered for CUDA, compiled for the compile-only H100
+  cpu = ex.on_devices(jax.devices("cpu")[:1])
+  module = cpu.step_fn().trace(*gpu_aot.abstract_inputs(cpu, shape)).lower(lowering_platforms=("cuda",))
+  gpu = next(iter(ex.mesh.devices.flat))
+  options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=np.array([[gpu]]),
+                                         env_options_overrides=dict(gpu_aot.GPU_COMPILER_OPTIONS), backend=gpu.client)
+  exe = compiler.backend_compile_and_load(gpu.client, module.compiler_ir("stablehlo"), xc.DeviceList((gpu,)),
+                                          options, [])
+  want = gpu_aot.memory(type("C", (), {"memory_analysis": lambda self: exe.get_compiled_memory_stats()})())
+  assert rep["memory"]["device_peak"] == want["device_peak"] > 0, (rep["memory"], want)
+  # the route the report no longer takes: the step traced on the compile-only H100 itself
+  dropped = gpu_aot.memory(ex.step_fn().lower(*gpu_aot.abstract_inputs(ex, shape)).compile())
+  assert dropped["host"]["temp"] > 0 and dropped["device_peak"] != want["device_peak"], dropped
+
+
 def test_host_update_moves_only_gradients_down_and_16bit_parameters_up():
   """dp on one H100 compiled as on a GPU, the update on the host (`offload_update="host"`): per step the
   program moves the fp32 gradients down (4 bytes per parameter) and the bf16 parameters up (2), and none of the

@@ -34,6 +34,7 @@ References:
 from __future__ import annotations
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -80,6 +81,7 @@ class Executor:
 
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
                accum_steps: int = 1):
+    self._given = (plan, mesh)  # as given, for `on_devices`
     plan.check_groups(mesh)
     prefetch_optional = plan.schedule.prefetch is None  # the platform's default, not the user's setting
     mesh = mesh_lib.factor(mesh, plan.groups())  # groups of k consecutive devices become mesh axes
@@ -110,6 +112,15 @@ class Executor:
     self.steps = Steps(model, self.optimizer, optimizer, self.layout, c, self.placement, self.stateful,
                        self.metas, accum_steps)
     self.world, self.batch_axes, self.batch_sharding = mesh.size, self.steps.batch_axes, self.steps.batch_sharding
+
+  def on_devices(self, devices) -> "Executor":
+    """This executor's model, optimizer, plan (as given) and accumulation on a mesh of the same shape and
+    axes over `devices` (as many as this mesh has, taken in its device order): e.g. CPU devices that trace
+    the step of compile-only GPUs with its host memory kinds (`zerojax.gpu_aot.compile_step`)."""
+    plan, mesh = self._given
+    grid = np.asarray(list(devices), dtype=object).reshape(np.shape(mesh.devices))
+    return Executor(self.model, self.user_optimizer, plan, Mesh(grid, mesh.axis_names),
+                    accum_steps=self.accum_steps)
 
   # -- the train state (`TrainStates`) --
   def init(self, rng: jax.Array) -> TrainState:
