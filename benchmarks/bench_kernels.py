@@ -1,7 +1,7 @@
 """Throughput of the quantization kernels, per op, backend, bit width and size, next to a device copy.
 
-For every op (quantize, dequantize, their rotated forms, reorder_quantize, dequant_sum_quantize,
-dequant_sum), bits 8 and 4, every size and every backend this device runs (xla and pallas
+For every op (quantize, dequantize, reorder_quantize and dequant_sum, each also rotated;
+dequant_sum_quantize), bits 8 and 4, every size and every backend this device runs (xla and pallas
 everywhere, pallas interpreted on CPU; triton on CUDA GPUs with jax-triton), reports the time of one
 call over interleaved repetitions after a warmup (median, min and max; the backends of a row group
 alternate their order from one repetition to the next), the bandwidth in GB/s of the bytes the op must
@@ -206,11 +206,15 @@ def cases(n, block, k, bits):
                                                                  backend=be), (rv, rs), rq + xb),
       "reorder_quantize": (lambda be: lambda x: Q.reorder_quantize(x, NODES, GPUS, bits, block,
                                                                    backend=be), (x,), xb + q),
+      "reorder_quantize_rotate": (lambda be: lambda x: Q.reorder_quantize(x, NODES, GPUS, bits, block, rotate=True,
+                                                                          backend=be), (x,), xb + rq),
       "dequant_sum_quantize": (lambda be: lambda v, s: Q.dequant_sum_quantize(v, s, bits, block,
                                                                               backend=be),
                                (vk, sk), k * q + q),
       "dequant_sum": (lambda be: lambda v, s: Q.dequant_sum(v, s, bits, block, backend=be), (vk, sk),
                       k * q + xb),
+      "dequant_sum_rotate": (lambda be: lambda v, s: Q.dequant_sum(v, s, bits, block, rotate=True, backend=be),
+                             (vk, sk), k * q + xb),
   }
 
 

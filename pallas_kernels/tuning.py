@@ -3,8 +3,9 @@
 A configuration is the tile (elements a program handles: summed over its K slabs in the Pallas
 kernels, of its output in the Triton ones; its rows are the largest power of two of blocks that fits
 the tile and divides the row count), Triton's `num_warps` and `num_stages`. Each
-Pallas and Triton kernel has the small space `space(slabs)`: tiles of 1K to 16K elements, 2 to 8
-warps, 4 to 64 elements a thread, and 1 or 2 stages where the kernel sums K slabs. (Triton picks the
+Pallas and Triton kernel has the small space `space(slabs)`: tiles of 1K to 16K elements, 1 to 8
+warps (one warp keeps a rotated kernel's butterflies and block reductions inside the warp: no
+barriers, docs/quantization.md), 4 to 64 elements a thread, and 1 or 2 stages where the kernel sums K slabs. (Triton picks the
 vector width of loads and stores from the tile's contiguity itself; it is no parameter of these
 kernels.) No configuration changes a value: every program computes the format of `block_format`.
 
@@ -84,7 +85,7 @@ def space(slabs: int = 1) -> list[Config]:
   """The candidates of a kernel that reads `slabs` slabs a row (the first is the default)."""
   out = [Config()]
   for tile in (1024, 2048, 4096, 8192, 16384):
-    for warps in (2, 4, 8):
+    for warps in (1, 2, 4, 8):
       if not 4 <= tile // (32 * warps) <= 64:
         continue
       for stages in ((1, 2) if slabs > 1 else (1,)):

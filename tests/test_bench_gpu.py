@@ -41,7 +41,7 @@ def test_bench_kernels_records_mismatches_and_a_ceiling_of_several_copies(kernel
   ceiling = result["copy_ceiling"]
   assert len(ceiling["variants"]) >= 3 and ceiling["buffer_bytes"] == 1 << 20
   assert ceiling["gbps"] == max(v["gbps"] for v in ceiling["variants"].values()) > 0
-  assert {r["backend"] for r in result["rows"]} == {"xla", "pallas"} and len(result["rows"]) == 28
+  assert {r["backend"] for r in result["rows"]} == {"xla", "pallas"} and len(result["rows"]) == 36
   for r in result["rows"]:
     assert "error" not in r, r
     assert r["copy_gbps"] == ceiling["gbps"] and r["ratio_to_copy"] == pytest.approx(r["gbps"] / ceiling["gbps"], rel=1e-2)
@@ -52,7 +52,7 @@ def test_bench_kernels_records_mismatches_and_a_ceiling_of_several_copies(kernel
     else:
       assert all(isinstance(c, int) and c >= 0 for c in m)
       assert len(m) == (1 if r["op"].startswith("dequant") and r["op"] != "dequant_sum_quantize" else 2), r
-  assert result["summary"]["rows_compared_with_xla"] == 14 and result["summary"]["errors"] == []
+  assert result["summary"]["rows_compared_with_xla"] == 18 and result["summary"]["errors"] == []
   assert [f["backend"] for f in result["qgz_intra_node_fused_vs_unfused"]] == ["xla", "xla", "pallas", "pallas"]
   assert all(len(f["mismatched_bytes_fused_vs_unfused"]) == 2 for f in result["qgz_intra_node_fused_vs_unfused"])
 
@@ -87,7 +87,7 @@ def test_a_differing_or_failing_backend_is_recorded_not_raised(kernels):
       out[op] = (by_backend, args, nbytes)
     return out
   rows = kernels.bench_ops(2048, 256, 2, ["xla", "off", "broken"], reps=1, ceiling_gbps=1.0, case_fn=cases)
-  assert len(rows) == 2 * 7 * 3
+  assert len(rows) == 2 * 9 * 3
   for r in rows:
     if r["backend"] == "off":
       assert len(r["mismatched_bytes_vs_xla"]) in (1, 2) and all(c > 0 for c in r["mismatched_bytes_vs_xla"]), r
@@ -95,7 +95,7 @@ def test_a_differing_or_failing_backend_is_recorded_not_raised(kernels):
     elif r["backend"] == "broken":
       assert "this backend is broken" in r["error"] and "gbps" not in r
   summary = kernels.summarize(rows, [], {"gbps": 1.0, "best": "uint32 x+1"})
-  assert summary["rows_differing_from_xla"] == 14 and len(summary["errors"]) == 14
+  assert summary["rows_differing_from_xla"] == 18 and len(summary["errors"]) == 18
 
 
 @pytest.fixture(scope="module")

@@ -422,3 +422,46 @@ def test_mosaic_estimates_have_no_division_per_element():
   mix = instruction_mix(run.stdout)
   assert list(mix) == ["zerojax_mosaic_quantize_mosaic_gpu_kernel"], list(mix)
   _assert_estimates_cost_a_product(mix, quantizing=1)
+
+
+# --- one pass, wide accesses: the rotated and int4 Pallas kernels -----------------------------------
+
+def _kernel_ptx():
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_ptx.py"
+  spec = importlib.util.spec_from_file_location("kernel_ptx", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_access_bytes_reads_ptx_widths():
+  k = _kernel_ptx()
+  assert [k.access_bytes(op) for op in ("ld.global.v4.b32", "st.global.b8", "ld.global.b16", "st.global.v2.b32")] \
+      == [16, 1, 2, 8]
+  body = "\tmov.u16 %rs1, 0x0; ld.global.b16 { %rs1 }, [ %rd1 + 0 ];\n\t@%p1 st.global.v4.b32 [ %rd2 + 0 ], { %r1 };\n"
+  assert k.mix(body) == {"counts": {"instructions": 3, "global_loads": 1, "global_stores": 1},
+                         "load_bytes": {"2": 1}, "store_bytes": {"16": 1}}
+
+
+@pytest.mark.gpu_compile
+@needs_plugin
+@pytest.mark.parametrize("bits", [8, 4])
+def test_pallas_rotated_and_int4_kernels_are_one_pass_with_wide_accesses(bits):
+  """Compiled for an H100, every op of the Pallas backend, rotated ones included, is one kernel launch (the
+  rotation fused: one pass over memory), and no global load or store of its kernel is narrower than 4
+  bytes (whole tiles, int4 packed in registers: no stride-2 lanes of 1- or 2-byte accesses), with at most
+  (K + 1) / 4 global access instructions per element (K = 1, or the slabs a sum reads; the scales
+  included). Before: 2 for the rotated and int4 forms (one 1- or 2-byte access per element each way)."""
+  k = _kernel_ptx()
+  [sh] = _on_one_gpu("h100", jax.ShapeDtypeStruct((1,), jnp.float32))
+  for op in k.OPS:
+    r = k.measure(op, bits, "pallas", 1 << 16, sh.sharding)
+    assert r["launches"] == 1 and len(r["kernels"]) == 1, (op, r["thunks"])
+    [kern] = r["kernels"]
+    widths = [int(w) for w in (*kern["load_bytes"], *kern["store_bytes"])]
+    assert min(widths) >= 4, (op, kern["load_bytes"], kern["store_bytes"])
+    per = kern["per_element"]
+    slabs = k.SLABS if op.startswith("dequant_sum") else 1
+    assert per["global_loads"] + per["global_stores"] <= (slabs + 1) / 4, (op, per)

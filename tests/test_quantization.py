@@ -66,6 +66,24 @@ def test_quantize_dequantize_pallas_equals_xla(bits, dtype, n):
   assert np.isfinite(y[[0] + list(range(4, 16))]).all()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [BLOCK, 256])
+def test_rotated_ops_pallas_equal_xla(bits, block):
+  """Round to nearest after the rotation (no noise): the Pallas kernels rotate whole rows of contiguous
+  tiles (`hadamard.fwht_tile`), xla its lanes (`fwht_rows`); the same butterflies, so the same bits, for
+  quantize, reorder_quantize, dequantize and dequant_sum, bf16 in and out, NaN/Inf/zero blocks included."""
+  x = _data(N * G * 4 * block, jnp.bfloat16)
+  out = {}
+  for be in ("xla", "pallas"):
+    v, s = Q.quantize(x, bits, block, rotate=True, backend=be)
+    rv, rs = Q.reorder_quantize(x, N, G, bits, block, rotate=True, backend=be)
+    vk, sk = rv.reshape(G, -1), rs.reshape(G, -1)
+    out[be] = [v, s, Q.dequantize(v, s, bits, block, dtype=jnp.bfloat16, rotate=True, backend=be), rv, rs,
+               Q.dequant_sum(vk, sk, bits, block, dtype=jnp.bfloat16, rotate=True, backend=be)]
+  for a, b in zip(out["xla"], out["pallas"]):
+    _assert_same(b, a)
+
+
 def test_int4_nibble_order_hand_written_bytes():
   # Block absmax 7 -> scale 1, codes = x. Element 2i is the low nibble, 2i+1 the high nibble.
   x = jnp.array([1, -2, 7, -7, 0, 3, -1, 0], jnp.float32)
