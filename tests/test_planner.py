@@ -1,5 +1,6 @@
 """AMSP: the plan space runs, the cost and memory models agree with what the executor does, the solver
 picks what the profile says is fastest among the plans that fit."""
+import dataclasses
 import json
 
 import jax
@@ -111,8 +112,76 @@ def test_offload_counts_device_bytes_against_the_cap_and_pays_the_host_link():
   d, o = plain["dp"], off["dp+offload"]
   states = 12 * work.numel  # fp32 master + AdamW's two moments, unsharded under dp
   assert d["bytes_per_device"] - o["bytes_per_device"] == o["host_bytes_per_device"] == states
-  assert o["T_step"] - d["T_step"] == pytest.approx(2 * states / 1e9)
+  # the step pays the master's fetch before the forward and the streamed update's copies: the two directions
+  # at once, so more than one direction's bytes and less than both one after the other
+  assert o["T_step"] - d["T_step"] == pytest.approx(o["T_offload"]) and o["T_offload"] > 0
+  before = 4 * work.numel / 1e9
+  assert before + states / 1e9 < o["T_offload"] < before + 2 * states / 1e9
   assert o["fits"] and point_of(o).plan(2, 4).sharding.offload == ("opt_state", "master")
+
+
+def test_offload_cost_by_hand():
+  """`cost.offload_time` on a 4-chunk model (an embedding of 100 parameters, a scanned unit of 2 layers of
+  1,000, a head of 100) at 1,000 bytes/s each way and 1 ms of update per parameter, computed by hand."""
+  work = cost.Workload(units=((100, 1), (1000, 2), (100, 1)), accum=1, host_link_bytes_per_s=1e3,
+                       update_s_per_param=1e-3, host_update_params_per_s=1e3)
+  dp = planner.Point(1, 1, 1)
+  both, states = dp.with_(offload=True), ("opt_state", "master")
+  # streamed, master + moments (12 bytes per parameter each way): fetch = store = 1.2, 12, 12, 1.2 s and
+  # update 0.1, 1, 1, 0.1 s per chunk. Chunk j's fetch waits on the fetch before it and the store of j - 2;
+  # its update on its fetch and the update before; its store on its update and the store before:
+  #   chunk 1: fetch ends 1.2, update 1.3, store 2.5
+  #   chunk 2: fetch 1.2 + 12 = 13.2, update 14.2, store 26.2
+  #   chunk 3: fetch max(13.2, 2.5) + 12 = 25.2, update 26.2, store 38.2
+  #   chunk 4: fetch max(25.2, 26.2) + 1.2 = 27.4, update 27.5, store 38.2 + 1.2 = 39.4
+  # less the update's own 2.2 s (in the plan's compute), plus the master's fetch before the forward (4 x 2,200
+  # bytes: 8.8 s): 46.0 s. One direction after the other it would be 8.8 + 2 x 26.4 = 61.6 s.
+  assert cost.offload_time(both, work) == pytest.approx(39.4 - 2.2 + 8.8)
+  assert cost.offload_time(both.with_(offload_update="bulk"), work) == pytest.approx(8.8 + 2 * 26.4)
+  # the moments only (8 bytes each way): fetch = store = 0.8, 8, 8, 0.8 s; stores end 1.7, 17.8, 25.8, 26.6;
+  # no master to fetch before the forward
+  assert cost.offload_time(dp.with_(offload=("opt_state",)), work) == pytest.approx(26.6 - 2.2)
+  # on the host: the 16-bit weights come (2 x 2,200 bytes: 4.4 s), the fp32 gradients go (8.8 s), the host
+  # updates 2,200 parameters at 1,000/s (2.2 s) where the device's 2.2 s of update no longer run
+  host = dp.with_(offload=True, offload_update="host")
+  assert cost.offload_bytes(host, work)["to_device"] == 0
+  assert cost.offload_time(host, work) == pytest.approx(4.4 + 8.8 + 2.2 - 2.2)
+  # sharded over 8 devices, each moves and updates 1/8 of it
+  z3 = planner.Point(8, 8, 8, offload=True)
+  assert cost.offload_bytes(z3, work)["to_host"] == pytest.approx(12 * 2200 / 8)
+  assert cost.offload_time(z3, work) == pytest.approx(cost.offload_time(both, work) / 8)
+  assert cost.offload_time(dp, work) == 0 and point_of({"s_p": 1, "s_g": 1, "s_os": 1, "offload": True}) == both
+  assert both.sharding.offload == states
+
+
+def test_offload_is_ranked_only_where_memory_forces_it_or_it_costs_nothing():
+  """A plan that fits the cap is not ranked with offload while offload costs time, and where it costs
+  nothing (host memory that is the device's own: an infinite host link) its offloaded twin comes after it;
+  a plan over the cap gets its offloaded twin, and on one device that twin is the choice."""
+  work = cost.Workload(units=((4096, 1), (65536, 4), (4096, 1)), accum=1, compute_s=0.1, activation_bytes=10**6)
+  plain = planner.rank(2, 4, work, synthetic_profile(2, 4))
+  cap = sorted(r["bytes_per_device"] for r in plain)[len(plain) // 2]  # about half the plans fit
+  for techniques in (False, True):
+    rows = planner.rank(2, 4, work, synthetic_profile(2, 4), memory_cap_bytes=cap, techniques=techniques)
+    names = [r["plan"] for r in rows]
+    twins = [r for r in rows if r["offload"]]
+    base = {r["plan"]: r for r in rows if not r["offload"]}
+    assert twins and all(not base[r["plan"][:-len("+offload")]]["fits"] for r in twins)
+    assert {n + "+offload" for n, r in base.items() if not r["fits"]} <= set(names)
+  free = dataclasses.replace(work, host_link_bytes_per_s=float("inf"), update_s_per_param=0.0)
+  rows = planner.rank(2, 4, free, synthetic_profile(2, 4))  # no cap: every plan fits
+  names = [r["plan"] for r in rows]
+  twins = [r for r in rows if r["offload"]]
+  assert len(twins) == len(rows) // 2 and all(r["T_offload"] == 0 for r in twins)
+  assert all(names.index(r["plan"][:-len("+offload")]) < names.index(r["plan"]) for r in twins)
+  assert planner.choose(rows) is rows[0] and not rows[0]["offload"]
+  # one device: one plan (its name on one device: zero3), over a cap that its offloaded twin fits
+  one = planner.rank(1, 1, work, {"mesh": {"nodes": 1, "gpus": 1}, "groups": {}})
+  dp = one[0]
+  capped = planner.rank(1, 1, work, {"mesh": {"nodes": 1, "gpus": 1}, "groups": {}},
+                        memory_cap_bytes=dp["bytes_per_device"] - 1)
+  assert len(one) == 1 and [r["plan"] for r in capped] == [dp["plan"], dp["plan"] + "+offload"]
+  assert planner.choose(capped, dp["bytes_per_device"] - 1) is capped[1] and capped[1]["offload"]
 
 
 def test_cost_terms_follow_amsp_formulas():

@@ -28,6 +28,11 @@ sends a fraction of the replica all-reduce. What they add to compute, qwZ's and 
 elements they touch per step times the seconds per element measured in this process
 (`Workload.quant_s_per_element`, `planner.compute.quant_rate`).
 
+Host offload (`Sharding.offload`, ZeRO-Offload §4) adds what its copies over the host link cost and does
+not hide (`offload_time`): the bytes each way per update mode (`offload_bytes`), both directions at once,
+the streamed update's copies of a chunk overlapped with the update of the chunk before (Megatron-Core's
+chunked optimizer offloader does the same); nothing overlaps the forward and backward.
+
 Memory per device (AMSP §IV-D with this executor's mixed precision): b Φ/s_p + rΦ/s_g + (4 + o)Φ/s_os
 (o: optimizer-state bytes per parameter, 8 for Adam), plus hpZ's secondary shard, Radius's residual,
 and the activations and temporaries of the compiled step.
@@ -35,6 +40,7 @@ and the activations and temporaries of the compiled step.
 References:
   AMSP: Chen et al. 2023, §IV-C (T_p, T_g, T_os^0, T_os^1), §IV-D (memory), §V-B (solver).
   ZeRO++: Wang et al. 2023, §3.1–3.3, §4.2. MiCS: Zhang et al. 2022, §3.3. Radius: Zheng & Zhang, §4.1.
+  ZeRO-Offload: Ren et al. 2021, §4 (what crosses the host link, the update on the host).
 """
 from __future__ import annotations
 
@@ -65,7 +71,9 @@ class Workload:
   micro-batches per step, bytes of a parameter on the wire and of a reduced gradient, optimizer bytes
   per parameter, compute seconds per step of DP, activation/temporary bytes per device, seconds per
   element of a quantize + dequantize (qwZ/qgZ's kernels, `planner.compute.quant_rate`), and the bytes per
-  second each device moves to and from host memory (PCIe 5 x16: about 50 GB/s; offload's cost).
+  second each device moves to and from host memory, each way at once (PCIe 5 x16: about 50 GB/s), the
+  seconds of the optimizer's update per parameter on the device and the parameters per second the host
+  updates (offload's cost, `offload_time`).
 
   Nothing here needs the model built: `Workload.transformer` describes one from its shape alone."""
   units: tuple[tuple[int, int], ...]
@@ -77,6 +85,10 @@ class Workload:
   grad_bytes: int = 4
   quant_s_per_element: float = 0.0
   host_link_bytes_per_s: float = 54e9  # each way, H100 PCIe 5 (probe.json, 2026-11-26: 54.7 / 54.3 GB/s)
+  # The device's optimizer update per parameter (part of C): AdamW reads and writes ~30 bytes of a parameter
+  # (gradient, master, two moments in; master, moments, 16-bit weight out) at ~3 TB/s of an H100's HBM.
+  update_s_per_param: float = 1e-11
+  host_update_params_per_s: float = 1.17e9  # AdamW on the host, 16 cores of the H100's (probe6.json)
 
   @classmethod
   def transformer(cls, *, layers: int, d_model: int, d_ff: int, vocab: int, accum: int, **kw) -> Workload:
@@ -245,12 +257,70 @@ def model_state_bytes(point: Point, work: Workload, gpus: int) -> dict:
   return out
 
 
+def offload_bytes(point: Point, work: Workload) -> dict:
+  """Bytes per device and step over the host link with the point's offload (`Sharding.offload`,
+  `Sharding.offload_update`); Φ_os = Φ / s_os, this device's parameters:
+
+    before      to the device before the forward: the fp32 master weights (4 Φ_os) where they are offloaded,
+                for step 0's cast; with the update on the host, the 16-bit weights rounded there (b Φ_os)
+    to_device   the update's states, to the device ("streamed", "bulk"): (4 + o) Φ_os with the master
+                weights, o Φ_os without (AdamW: 12 and 8 bytes per parameter); on the host ("host"), none
+    to_host     the same states back; on the host, the gradients instead (r Φ_os)
+
+  `chunk_params`: this device's parameters of each chunk of the streamed update, in order (a unit, or one
+  layer of a scanned unit: `work.units`)."""
+  offload, mode = point.sharding.offload, point.sharding.offload_update
+  phi = work.numel / point.s_os
+  if not offload:
+    return {"before": 0.0, "to_device": 0.0, "to_host": 0.0, "chunk_params": []}
+  chunks = [n / point.s_os for n, calls in work.units for _ in range(calls)]
+  if mode == "host":
+    return {"before": work.param_bytes * phi, "to_device": 0.0, "to_host": grad_bytes(point, work) * phi,
+            "chunk_params": chunks}
+  master = 4 if "master" in offload else 0
+  state = (master + work.opt_bytes_per_param) * phi
+  return {"before": master * phi, "to_device": state, "to_host": state, "chunk_params": chunks}
+
+
+def streamed(fetch: list[float], update: list[float], store: list[float]) -> float:
+  """Seconds from the end of the backward to the last store of the streamed update, its chunks in order:
+  chunk j's fetch waits on the fetch before it (one direction of the link) and on the store of chunk j - 2
+  (at most three chunks' states on the device, by construction); its update on its fetch and on the update
+  before (the device); its store on its update and on the store before (the other direction). Chunk j + 1
+  so comes down while chunk j is updated and chunk j - 1 goes back: both directions at once."""
+  f = u = 0.0
+  s = [0.0, 0.0]  # the stores' ends, the chunks two and one before first
+  for a, b, c in zip(fetch, update, store):
+    f = max(f, s[-2]) + a
+    u = max(u, f) + b
+    s.append(max(s[-1], u) + c)
+  return s[-1]
+
+
 def offload_time(point: Point, work: Workload) -> float:
-  """Seconds per step moving the offloaded states to the device and back: the streamed update
-  (docs/offload.md) runs after the backward; in the compiled H100 program each layer's stores overlap its
-  update but its fetch (a kernel reading host memory) runs beside neither, so the two directions are
-  priced one after the other. At the measured 54 GB/s each way this is what the GPU kit's
-  `offload_cost.json` measures."""
+  """Seconds per step that offload adds to the plan's step (`offload_bytes`; B = `host_link_bytes_per_s`,
+  each way at once; the device's own update, `update_s_per_param` per parameter, is in the plan's compute):
+
+    streamed   before / B + `streamed`(each chunk's fetch, update, store) - the device's update
+    bulk       before / B + to_device / B + to_host / B       (every state at once: one way, then the other)
+    host       before / B + to_host / B + Φ_os / host_update_params_per_s - the device's update
+
+  None of it overlaps the forward and backward: the master weights come before step 0's cast, and the
+  update (on the device or the host) starts after the backward, because the clipping's global gradient
+  norm needs every gradient (docs/offload.md). The streamed update overlaps each chunk's copies with the
+  update of the chunk before and with the other direction's copies: it costs about one direction's bytes
+  plus one chunk's, where the bulk fetch costs both directions'. Without offload, 0."""
   if not point.sharding.offload:
     return 0.0
-  return 2 * (4 + work.opt_bytes_per_param) * work.numel / point.s_os / work.host_link_bytes_per_s
+  moved, link = offload_bytes(point, work), work.host_link_bytes_per_s
+  chunks = moved["chunk_params"]
+  own = [work.update_s_per_param * n for n in chunks]  # the device's update of each chunk
+  before = moved["before"] / link
+  mode = point.sharding.offload_update
+  if mode == "host":
+    return before + moved["to_host"] / link + sum(chunks) / work.host_update_params_per_s - sum(own)
+  if mode == "bulk":
+    return before + (moved["to_device"] + moved["to_host"]) / link
+  share = [n / sum(chunks) for n in chunks]
+  return before + streamed([moved["to_device"] * f / link for f in share], own,
+                           [moved["to_host"] * f / link for f in share]) - sum(own)

@@ -93,7 +93,8 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
 
   With `memory_cap_bytes`, every point over the cap is ranked a second time with its master weights and
   optimizer states in host memory (`offload=True`): only the device's bytes count against the cap, and
-  the step pays `cost.offload_time`.
+  the step pays `cost.offload_time`. A point that fits is ranked with offload only where that costs
+  nothing (`offload_twins`), and then after its plan without it.
 
   `compute` is `planner.compute.per_plan`'s table over the degree points (None: `work.compute_s` for
   every plan, AMSP as written); its `quant_s_per_element` prices qwZ/qgZ's kernels. Each row also holds
@@ -112,8 +113,7 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
     row = lambda pt: _row(pt, nodes, gpus, work, profile, c, c0, act, uniform, overlap, memory_cap_bytes)
     if not techniques:
       rows.append(row(base))
-      if memory_cap_bytes is not None and not rows[-1]["fits"]:
-        rows.append(row(base.with_(offload=True)))
+      rows += [row(t) for t in offload_twins([rows[-1]], work)]
       continue
     params = [base.with_(**o) for o in param_options(base, world, gpus, lossy)]
     grads = [base.with_(**o) for o in grad_options(base, world, gpus, lossy)]
@@ -124,10 +124,22 @@ def rank(nodes: int, gpus: int, work: Workload, profile: dict, *, memory_cap_byt
     kept = pareto(combos) if prune else combos
     have = {point_of(r) for r in kept}
     kept += [row(pt) for pt in keep if pt.base == base and pt not in have]
-    # Under a memory cap, each point over it is also ranked with its states in host memory (offload).
-    rows += kept + [row(point_of(r).with_(offload=True)) for r in kept
-                    if memory_cap_bytes is not None and not r["fits"]]
-  return sorted(rows, key=lambda r: (r["T_step"], r["bytes_per_device"], r["plan"]))
+    rows += kept + [row(t) for t in offload_twins(kept, work)]
+  # at equal step time the plan without offload first, then the smaller
+  return sorted(rows, key=lambda r: (r["T_step"], bool(r["offload"]), r["bytes_per_device"], r["plan"]))
+
+
+def offload_twins(rows: list[dict], work: Workload) -> list[Point]:
+  """The points of `rows` with their master weights and optimizer states in host memory (`space.OFFLOAD`)
+  that are ranked: where the row does not fit the memory cap, or where offload costs nothing
+  (`cost.offload_time`, e.g. CPU devices, whose host memory is their own: an infinite host link). A plan
+  that fits without offload and pays for it is not offered with it."""
+  out = []
+  for r in rows:
+    twin = point_of(r).with_(offload=True)
+    if not r["offload"] and (not r["fits"] or offload_time(twin, work) <= 0):
+      out.append(twin)
+  return out
 
 
 def choose(rows: list[dict], memory_cap_bytes: float | None = None) -> dict:

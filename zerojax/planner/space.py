@@ -22,7 +22,8 @@ entry each in `TECHNIQUES`, the enumeration):
   replicas    (s_os < N G) Radius's sparse replica sync (Radius §4), or DiLoCo's outer sync across nodes
                          (MiCS with one node per group), only with `lossy`
   memory                 master weights and optimizer states in host memory (`Sharding.offload`), ranked
-                         by the solver for a point over the memory cap
+                         by the solver for a point over the memory cap, or where it costs nothing
+                         (`solve.offload_twins`)
 
 qwZ int8 and qgZ int4 are ZeRO++ as published (trained to the baseline's loss, ZeRO++ §5.3) and count
 as not lossy; int4 weights, Radius's top-k and DiLoCo change what is trained by more than that and are
