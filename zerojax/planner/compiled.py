@@ -5,7 +5,8 @@ activations and temporaries to an estimate (`planner.cost.model_state_bytes`). H
 point is built as the executor runs it (`space.Point.plan`) for a model (e.g. the GPT of a given shape,
 `zerojax.models.gpt.gpt(cfg)`: only its shapes are traced) on `nodes` x `gpus` compile-only GPUs of a
 target kind (`zerojax.gpu_aot`: "a100" is also AMSP's A800), one train step is compiled for abstract
-inputs (nothing runs, no weights exist) and XLA's per-device figures are read: arguments (the train
+inputs (nothing runs, no weights exist; a point with offload as a GPU's jax types its host-memory inputs,
+`gpu_aot.compile_as_on_gpu`) and XLA's per-device figures are read: arguments (the train
 state and the batch), outputs, aliased (the state donated back), temporaries and the peak.
 `check_rows` puts the compiled peak in place of the formula's "fits" for the top rows of a ranking
 (`planner.rank`), so the choice (`planner.choose`) rests on the program that would run.

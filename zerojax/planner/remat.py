@@ -4,7 +4,8 @@ compiled train step fits the device.
 The modes, least recompute first: "none" (every residual kept: no forward runs twice), "dots" (the
 weight matmuls' outputs and the attention's output kept, the rest recomputed), "full" (only each unit's
 inputs kept, its whole forward recomputed). `choose` compiles the step of each in that order for the
-batch the run trains on (`gpu_aot.compile_step`: lowered and compiled, nothing runs) and keeps the first
+batch the run trains on (`gpu_aot.compile_step`: lowered and compiled, nothing runs; with offloaded state
+on compile-only GPUs, as a GPU's jax types its host-memory inputs) and keeps the first
 whose device peak (`gpu_aot.memory`'s `device_peak`: state, batch, temporaries) is within the device's
 memory; where none fits, "full", the smallest. Its report (`rows`, `why`) is what `train.py` logs and
 writes to `summary.json`, and what `python -m zerojax.cli.compile` prints.
