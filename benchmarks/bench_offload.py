@@ -25,6 +25,14 @@
       bytes at most the host's). `--fit_probe --layers L [--out F]` is one such try; with `--bulk` the states
       are fetched at once after the backward, as before the streamed update.
 
+  python benchmarks/bench_offload.py --moves --compile_only h100 [--d_model 1024] [--layers 8] [--seq 512]
+      the --fit GPT on one compile-only H100, compiled as on a GPU (`compile_as_on_gpu`) without offload and with
+      offload=("opt_state", "master") for each `--updates` (bulk, streamed, host): the device peak, and per
+      step the bytes moved host->device and device->host and the pairs of opposite moves in flight at once
+      (`zerojax.analysis.host_moves`).
+  `--updates` (cost mode too, default "streamed"): where the offloaded update runs (`Sharding.offload_update`);
+  "host" is timed with both fields offloaded only (it needs them).
+
 Prints one JSON object; `--out` also writes it.
 
 References:
@@ -74,19 +82,21 @@ def cost(args) -> dict:
   batches = [rng.integers(0, 256, (args.batch_per_device * mesh.size, args.seq + 1)).astype(np.int32)
              for _ in range(args.steps)]
   rows, systems = {}, {}
+  updates = args.updates.split(",")
   for name in args.plans.split(","):
-    for off in SETTINGS:
-      key = f"{name} offload={','.join(off) or 'none'}"
+    for off, update in [((), "streamed")] + [(o, u) for o in SETTINGS[1:] for u in updates
+                                             if u != "host" or o == SETTINGS[-1]]:
+      key = f"{name} offload={','.join(off) or 'none'}" + (f" update={update}" if off and len(updates) > 1 else "")
       try:
-        plan = getattr(plans, name)(offload=off, compute_dtype=args.dtype)
+        plan = getattr(plans, name)(offload=off, offload_update=update, compute_dtype=args.dtype)
         ex, compiled, state = system(plan, cfg, mesh, batches)
         shards = [ex.shard_batch(b) for b in batches]
         state, m = compiled(state, shards[0])  # first step: warm
         systems[key] = {"compiled": compiled, "state": state, "shards": shards, "plan": name, "off": off}
-        rows[key] = {"plan": name, "offload": list(off), "memory": gpu_aot.memory(compiled), "times": [],
+        rows[key] = {"plan": name, "offload": list(off), "update": update, "memory": gpu_aot.memory(compiled), "times": [],
                      "losses": []}
       except Exception as e:  # noqa: BLE001  (recorded, the others go on)
-        rows[key] = {"plan": name, "offload": list(off), "error": error_text(e)}
+        rows[key] = {"plan": name, "offload": list(off), "update": update, "error": error_text(e)}
   order = list(systems)
   for rep in range(args.reps):
     for key in (order if rep % 2 == 0 else order[::-1]):
@@ -159,13 +169,13 @@ def gpt_params(d: int, layers: int, vocab: int = 32000) -> int:
   return 12 * d * d * layers + 2 * vocab * d
 
 
-def fit_executor(args, layers: int, setting: tuple):
+def fit_executor(args, layers: int, setting: tuple, update: str | None = None):
   """(the --fit GPT of `layers` with offload `setting` on one device, a token batch [1, 1, seq + 1]): on the
   device present, or with `--compile_only` on a CPU device (`compile_as_on_gpu` compiles it for the GPU)."""
   d = args.d_model
   cfg = GPTConfig(vocab_size=32000, seq_len=args.seq, d_model=d, num_heads=d // 128, num_layers=layers)
   mesh = zerojax.make_mesh(1, 1, devices=jax.devices("cpu" if args.compile_only else None)[:1])
-  update = "bulk" if getattr(args, "bulk", False) else "streamed"  # bulk: every state fetched at once
+  update = update or ("bulk" if getattr(args, "bulk", False) else "streamed")  # bulk: every state fetched at once
   ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000),
                         plans.dp(offload=setting, offload_update=update, compute_dtype="bfloat16"), mesh)
   return ex, np.random.default_rng(0).integers(0, 32000, (1, 1, args.seq + 1)).astype(np.int32)
@@ -181,6 +191,22 @@ def compiled_memory(args, ex, batch) -> dict:
   h = mem["host"]
   counted = h["argument"] + h["output"] - h["alias"] + h["temp"]
   return {"memory": mem, "host_bytes_used": counted or memory_report(ex)["expected"]["host"]}
+
+
+def moves(args) -> dict:
+  """`--moves`: the --fit GPT of `--layers` compiled for `--compile_only` as on a GPU, without offload and with
+  each of `--updates`: device peak, host<->device bytes per direction and overlapping opposite moves."""
+  from zerojax.analysis.host_moves import host_moves
+  rows = {}
+  for update in ["none"] + args.updates.split(","):
+    ex, batch = fit_executor(args, args.layers, () if update == "none" else ("opt_state", "master"),
+                             None if update == "none" else update)
+    prog = compile_as_on_gpu(ex, batch.shape, args.compile_only)
+    moved = host_moves(prog.as_text())
+    moved.pop("per_computation")
+    rows[update] = {"memory": gpu_aot.memory(prog), **moved}
+  return {"device": args.compile_only, "jax": jax.__version__, "d_model": args.d_model, "layers": args.layers,
+          "seq": args.seq, "parameters": gpt_params(args.d_model, args.layers), "rows": rows}
 
 
 def host_need(args) -> dict:
@@ -317,6 +343,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--fit_probe", action="store_true", help="--fit's one try (run by --fit in a process of its own)")
   ap.add_argument("--fit_describe", action="store_true", help="--fit's device and host need (a process of its own)")
   ap.add_argument("--offload", default="opt_state,master", help="--fit_probe: the setting (or none)")
+  ap.add_argument("--moves", action="store_true", help="compiled moves and device peak per update (--compile_only)")
+  ap.add_argument("--updates", default="streamed", help="offload_update values: streamed, bulk, host (comma-separated)")
   ap.add_argument("--bulk", action="store_true", help="--fit_probe: fetch every state at once (offload_update='bulk')")
   ap.add_argument("--host_fraction", type=float, default=0.85, help="--fit: of the host's memory, for the states")
   ap.add_argument("--max_probes", type=int, default=6, help="--fit: sizes tried with offload")
@@ -337,7 +365,10 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   if args.compile_only:
     gpu_aot.compile_only_host()  # this process's own backend stays the CPU
-  if args.fit or args.fit_probe or args.fit_describe:
+  if args.moves:
+    args.d_model, args.seq = args.d_model or 1024, args.seq or 512
+    result = moves(args)
+  elif args.fit or args.fit_probe or args.fit_describe:
     args.d_model, args.seq = args.d_model or 4096, args.seq or 1024
     if args.fit_describe:
       row = describe(args)

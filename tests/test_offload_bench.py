@@ -50,3 +50,15 @@ def test_fit_runs_each_try_in_its_own_process_and_reports_the_host_limit(tmp_pat
   layer = bench.gpt_params(128, 1, vocab=0)  # 12 d^2: the layer's matrices; its biases and padding add < 10%
   assert 12 * layer <= need["per_layer"] < 1.1 * 12 * layer, need
   assert result["largest"]["host_bytes_needed"] <= 0.85 * 1.25e8
+
+
+def test_cost_mode_times_the_update_on_the_host_beside_the_streamed_one():
+  """`--updates streamed,host` on the test's 8 CPU devices at a tiny size: each offloaded setting gets a row per
+  update ("host" only with both fields), each with the losses of the plan without offload."""
+  bench = load()
+  rows = bench.main(["--plans", "dp", "--d_model", "32", "--layers", "1", "--seq", "16", "--steps", "2", "--reps",
+                     "2", "--updates", "streamed,host"])["rows"]
+  assert list(rows) == ["dp offload=none", "dp offload=opt_state update=streamed",
+                        "dp offload=opt_state,master update=streamed", "dp offload=opt_state,master update=host"]
+  assert rows["dp offload=opt_state,master update=host"]["update"] == "host"
+  assert all(r["losses_equal"] is True for k, r in rows.items() if k != "dp offload=none"), rows
