@@ -37,14 +37,14 @@ import shutil
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import block_format, per_platform, tuning
+from pallas_kernels import block_format, hadamard, per_platform, tuning
 
 CC_ENV = "ZEROJAX_TRITON_COMPUTE_CAPABILITY"
 PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
 
 # Bound by `_kernels()` once triton is importable.
 tl = libdevice = None
-_abs_or_inf = _scale = _inverse = _codes = _load_lane = _store_lane = _store_codes = _quantize_store = None
+_abs_or_inf = _scale = _inverse = _codes = _butterflies = _fwht = _load_codes = _store_codes = _quantize_store = None
 
 
 def require_jax_triton() -> None:
@@ -142,7 +142,7 @@ def _kernels():
   and the helper kernels are bound there.
   """
   global tl, libdevice, TRIM_ADD, TRIM_MASK, MIN_SCALE, R8, R4, _abs_or_inf, _scale, _inverse, _codes
-  global _load_lane, _store_lane, _store_codes, _quantize_store
+  global _butterflies, _fwht, _load_codes, _store_codes, _quantize_store
   import triton
   import triton.language as tl
   try:
@@ -188,52 +188,53 @@ def _kernels():
     return tl.where(ok[:, None], q, 0.0).to(tl.int32)
 
   @triton.jit
-  def _load_lane(v_ptr, row, cols, LANE: tl.constexpr, BITS: tl.constexpr, BP: tl.constexpr,
-                 TWO: tl.constexpr):
-    # Codes of elements (TWO * col + LANE), or of element col when TWO == 1.
+  def _butterflies(x, ROWS: tl.constexpr, B: tl.constexpr, H: tl.constexpr):
+    # One stage of hadamard.fwht_tile: element i paired with i + H inside each group of 2H (a + b to the
+    # lower, a - b to the upper).
+    lower, upper = tl.split(tl.permute(tl.reshape(x, (ROWS, B // (2 * H), 2, H)), (0, 1, 3, 2)))
+    return tl.reshape(tl.permute(tl.join(lower + upper, lower - upper), (0, 1, 3, 2)), (ROWS, B))
+
+  @triton.jit
+  def _fwht(x, ROWS: tl.constexpr, B: tl.constexpr, LOG_B: tl.constexpr, SCALE: tl.constexpr):
+    # hadamard.fwht_tile on a [ROWS, B] fp32 tile: stages H = 1, 2, ..., B/2, then times SCALE (a power of two).
+    for st in tl.static_range(LOG_B):
+      x = _butterflies(x, ROWS, B, 1 << st)
+    return x * SCALE
+
+  @triton.jit
+  def _load_codes(v_ptr, row, ROWS: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
+    # Stored values of rows `row` -> int32 codes [ROWS, B]: whole rows loaded; int4 bytes split into
+    # their low and high nibbles (elements 2j, 2j + 1) in registers.
     if BITS == 8:
-      q = tl.load(v_ptr + row[:, None] * BP + TWO * cols[None, :] + LANE).to(tl.int32)
+      return tl.load(v_ptr + row[:, None] * B + tl.arange(0, B)[None, :]).to(tl.int32)
+    b = tl.load(v_ptr + row[:, None] * (B // 2) + tl.arange(0, B // 2)[None, :]).to(tl.int32)
+    return tl.reshape(tl.join(((b & 0xF) ^ 8) - 8, (((b >> 4) & 0xF) ^ 8) - 8), (ROWS, B))
+
+  @triton.jit
+  def _store_codes(v_ptr, row, q, ROWS: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
+    # int32 codes [ROWS, B] -> whole stored rows; int4: elements (2j, 2j + 1) joined into byte j in registers.
+    if BITS == 8:
+      tl.store(v_ptr + row[:, None] * B + tl.arange(0, B)[None, :], q.to(tl.int8))
     else:
-      b = tl.load(v_ptr + row[:, None] * BP + cols[None, :]).to(tl.int32)
-      q = (((b >> (4 * LANE)) & 0xF) ^ 8) - 8
-    return q
+      lo, hi = tl.split(tl.reshape(q, (ROWS, B // 2, 2)))
+      tl.store(v_ptr + row[:, None] * (B // 2) + tl.arange(0, B // 2)[None, :],
+               ((lo & 0xF) | ((hi & 0xF) << 4)).to(tl.uint8))
 
   @triton.jit
-  def _store_lane(o_ptr, row, cols, y, LANE: tl.constexpr, B: tl.constexpr, TWO: tl.constexpr):
-    tl.store(o_ptr + row[:, None] * B + TWO * cols[None, :] + LANE, y.to(o_ptr.dtype.element_ty))
-
-  @triton.jit
-  def _store_codes(v_ptr, row, cols, q0, q1, OUT_BITS: tl.constexpr, OBP: tl.constexpr,
-                   TWO: tl.constexpr):
-    base = v_ptr + row[:, None] * OBP
-    if OUT_BITS == 4:
-      tl.store(base + cols[None, :], ((q0 & 0xF) | ((q1 & 0xF) << 4)).to(tl.uint8))
-    else:
-      tl.store(base + TWO * cols[None, :], q0.to(tl.int8))
-      if TWO == 2:
-        tl.store(base + TWO * cols[None, :] + 1, q1.to(tl.int8))
-
-  @triton.jit
-  def _quantize_store(v_ptr, s_ptr, row, cols, y0, y1, amax, B: tl.constexpr, BITS: tl.constexpr,
-                      TWO: tl.constexpr):
-    # Rows of B fp32 elements (lanes y0 and, when TWO == 2, y1; absmax amax) quantized to BITS: codes and
-    # scales stored.
+  def _quantize_store(v_ptr, s_ptr, row, y, ROWS: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
+    # Rows [ROWS, B] of fp32 elements quantized to BITS: codes and scales stored.
     QMAX: tl.constexpr = 7.0 if BITS == 4 else 127.0
-    BP: tl.constexpr = B // 2 if BITS == 4 else B
-    scale = _scale(amax, QMAX)
+    scale = _scale(tl.max(_abs_or_inf(y), axis=1), QMAX)
     ok = (scale > 0) & (scale < float("inf"))
-    inv = _inverse(scale, ok)
-    q0 = _codes(y0, scale, inv, ok, QMAX)
-    q1 = q0
-    if TWO == 2:
-      q1 = _codes(y1, scale, inv, ok, QMAX)
-    _store_codes(v_ptr, row, cols, q0, q1, BITS, BP, TWO)
+    _store_codes(v_ptr, row, _codes(y, scale, _inverse(scale, ok), ok, QMAX), ROWS, B, BITS)
     tl.store(s_ptr + row, scale)
 
   @triton.jit
   def quantize(x_ptr, v_ptr, s_ptr, N: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
-               NB: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
+               NB: tl.constexpr, ROWS: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr,
+               LOG_B: tl.constexpr, ROTATE: tl.constexpr, FORWARD: tl.constexpr):
     # Output rows are ordered (s, g, n, j); input rows (n, g, s, j). N = G = S = 1: plain quantize.
+    # ROTATE = 1: each row times H_B * FORWARD first (hadamard.fwht_tile).
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     j = r % NB
     t = r // NB
@@ -242,50 +243,33 @@ def _kernels():
     g = t % G
     s = t // G
     src = ((n * G + g) * S + s) * NB + j
-    TWO: tl.constexpr = 2 if BITS == 4 else 1
-    cols = tl.arange(0, B // TWO)
-    x0 = tl.load(x_ptr + src[:, None] * B + TWO * cols[None, :]).to(tl.float32)
-    x1 = x0
-    amax = tl.max(_abs_or_inf(x0), axis=1)
-    if TWO == 2:
-      x1 = tl.load(x_ptr + src[:, None] * B + TWO * cols[None, :] + 1).to(tl.float32)
-      amax = tl.maximum(amax, tl.max(_abs_or_inf(x1), axis=1))
-    _quantize_store(v_ptr, s_ptr, r, cols, x0, x1, amax, B, BITS, TWO)
+    x = tl.load(x_ptr + src[:, None] * B + tl.arange(0, B)[None, :]).to(tl.float32)
+    if ROTATE == 1:
+      x = _fwht(x, ROWS, B, LOG_B, FORWARD)
+    _quantize_store(v_ptr, s_ptr, r, x, ROWS, B, BITS)
 
   @triton.jit
   def dequant_sum(v_ptr, s_ptr, o_ptr, os_ptr, K: tl.constexpr, M: tl.constexpr,
                   ROWS: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr,
-                  OUT_BITS: tl.constexpr, REQUANT: tl.constexpr):
-    # K = 1 and REQUANT = 0: plain dequantize. REQUANT = 1: o_ptr/os_ptr get values/scales.
+                  OUT_BITS: tl.constexpr, REQUANT: tl.constexpr, LOG_B: tl.constexpr,
+                  ROTATE: tl.constexpr, INVERSE: tl.constexpr):
+    # K = 1 and REQUANT = 0: plain dequantize. REQUANT = 1: o_ptr/os_ptr get values/scales. ROTATE = 1
+    # (REQUANT = 0): the fp32 sum times H_B * INVERSE before the cast (hadamard.fwht_tile).
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    TWO: tl.constexpr = 2 if (BITS == 4 or (REQUANT == 1 and OUT_BITS == 4)) else 1
-    BP: tl.constexpr = B // 2 if BITS == 4 else B
-    cols = tl.arange(0, B // TWO)
-    acc0 = tl.zeros((ROWS, B // TWO), tl.float32)
-    acc1 = tl.zeros((ROWS, B // TWO), tl.float32)
+    acc = tl.zeros((ROWS, B), tl.float32)
     for k in tl.static_range(K):
       row = k * M + r
-      sc = tl.load(s_ptr + row)[:, None]
-      y0 = _load_lane(v_ptr, row, cols, 0, BITS, BP, TWO).to(tl.float32) * sc
+      y = _load_codes(v_ptr, row, ROWS, B, BITS).to(tl.float32) * tl.load(s_ptr + row)[:, None]
       if k == 0:
-        acc0 = y0
+        acc = y
       else:
-        acc0 = acc0 + y0
-      if TWO == 2:
-        y1 = _load_lane(v_ptr, row, cols, 1, BITS, BP, TWO).to(tl.float32) * sc
-        if k == 0:
-          acc1 = y1
-        else:
-          acc1 = acc1 + y1
+        acc = acc + y
     if REQUANT == 1:
-      amax = tl.max(_abs_or_inf(acc0), axis=1)
-      if TWO == 2:
-        amax = tl.maximum(amax, tl.max(_abs_or_inf(acc1), axis=1))
-      _quantize_store(o_ptr, os_ptr, r, cols, acc0, acc1, amax, B, OUT_BITS, TWO)
+      _quantize_store(o_ptr, os_ptr, r, acc, ROWS, B, OUT_BITS)
     else:
-      _store_lane(o_ptr, r, cols, acc0, 0, B, TWO)
-      if TWO == 2:
-        _store_lane(o_ptr, r, cols, acc1, 1, B, TWO)
+      if ROTATE == 1:
+        acc = _fwht(acc, ROWS, B, LOG_B, INVERSE)
+      tl.store(o_ptr + r[:, None] * B + tl.arange(0, B)[None, :], acc.to(o_ptr.dtype.element_ty))
 
   return quantize, dequant_sum
 
@@ -307,38 +291,55 @@ def _packed(b, bits):
   return b if bits == 8 else b // 2
 
 
-def quantize_rows(x_MxB: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
-  """[M, B] -> (values [M, Bp], scales [M]); see `pallas_kernels.block_quant.quantize_rows`."""
+def _op(name: str, bits: int, rotate: bool, dtype=None) -> str:
+  """The op's name in tuning keys, as `block_quant` names its kernels'."""
+  return "/".join([name, f"int{bits}"] + ["rotate"] * rotate + ([jnp.dtype(dtype).name] if dtype is not None else []))
+
+
+def _rotation(block: int, rotate: bool, which: int) -> dict:
+  """The kernels' rotation parameters: the butterflies' stages and the scale (`which`: 0 forward,
+  1 inverse) of `hadamard.scales`."""
+  if rotate:
+    hadamard.check_block(block)
+  scale = hadamard.scales(block)[which] if rotate else 1.0
+  return dict(LOG_B=block.bit_length() - 1, ROTATE=int(rotate), **{("FORWARD", "INVERSE")[which]: scale})
+
+
+def quantize_rows(x_MxB: jax.Array, bits: int, rotate: bool = False) -> tuple[jax.Array, jax.Array]:
+  """[M, B] -> (values [M, Bp], scales [M]); see `pallas_kernels.block_quant.quantize_rows` (`rotate`:
+  each row times the Hadamard matrix first, in the kernel)."""
   m, b = x_MxB.shape
   quantize, _ = _kernels()
   out = (jax.ShapeDtypeStruct((m, _packed(b, bits)), _vdtype(bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  return _launch(quantize, [x_MxB], out=out, op=f"quantize/int{bits}", m=m, divisor=m, row_elements=b,
-                 block=b, N=1, G=1, S=1, NB=m, B=b, BITS=bits)
+  return _launch(quantize, [x_MxB], out=out, op=_op("quantize", bits, rotate), m=m, divisor=m,
+                 row_elements=b, block=b, N=1, G=1, S=1, NB=m, B=b, BITS=bits, **_rotation(b, rotate, 0))
 
 
-def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int) -> tuple[jax.Array, jax.Array]:
-  """[N, G, S, C] -> values [S, G, N, Cp], scales [S, G, N, C / block]."""
+def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int,
+                     rotate: bool = False) -> tuple[jax.Array, jax.Array]:
+  """[N, G, S, C] -> values [S, G, N, Cp], scales [S, G, N, C / block] (`rotate` as in `quantize_rows`)."""
   n, g, s, c = x_NxGxSxC.shape
   nb = c // block
   quantize, _ = _kernels()
   m = n * g * s * nb
   out = (jax.ShapeDtypeStruct((m, _packed(block, bits)), _vdtype(bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  v, sc = _launch(quantize, [x_NxGxSxC.reshape(m, block)], out=out, op=f"reorder_quantize/int{bits}", m=m,
-                  divisor=nb, row_elements=block, block=block, N=n, G=g, S=s, NB=nb, B=block, BITS=bits)
+  v, sc = _launch(quantize, [x_NxGxSxC.reshape(m, block)], out=out, op=_op("reorder_quantize", bits, rotate),
+                  m=m, divisor=nb, row_elements=block, block=block, N=n, G=g, S=s, NB=nb, B=block, BITS=bits,
+                  **_rotation(block, rotate, 0))
   return v.reshape(s, g, n, nb * _packed(block, bits)), sc.reshape(s, g, n, nb)
 
 
-def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype) -> jax.Array:
-  """[M, Bp], [M] -> [M, B] in `dtype`."""
+def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype, rotate: bool = False) -> jax.Array:
+  """[M, Bp], [M] -> [M, B] in `dtype` (rotated back with `rotate`, in the kernel)."""
   m, bp = v_MxBp.shape
   b = bp if bits == 8 else 2 * bp
   _, dequant_sum = _kernels()
   out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
   y, _ = _launch(dequant_sum, [v_MxBp, s_M.astype(jnp.float32)], out=out,
-                 op=f"dequantize/int{bits}/{jnp.dtype(dtype).name}", m=m, divisor=m, row_elements=b, block=b,
-                 K=1, M=m, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
+                 op=_op("dequantize", bits, rotate, dtype), m=m, divisor=m, row_elements=b, block=b,
+                 K=1, M=m, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0, **_rotation(b, rotate, 1))
   return y
 
 
@@ -352,16 +353,16 @@ def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int,
          jax.ShapeDtypeStruct((m,), jnp.float32))
   return _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out,
                  op=f"dequant_sum_quantize/{out_bits}/int{bits}", m=m, divisor=m, row_elements=b, block=b,
-                 slabs=k, K=k, M=m, B=b, BITS=bits, OUT_BITS=out_bits, REQUANT=1)
+                 slabs=k, K=k, M=m, B=b, BITS=bits, OUT_BITS=out_bits, REQUANT=1, **_rotation(b, False, 1))
 
 
-def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype) -> jax.Array:
-  """[K, M, Bp], [K, M] -> fp32 sum cast to `dtype`: [M, B]."""
+def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype, rotate: bool = False) -> jax.Array:
+  """[K, M, Bp], [K, M] -> fp32 sum (rotated back with `rotate`, in the kernel) cast to `dtype`: [M, B]."""
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
   _, dequant_sum = _kernels()
   out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
   y, _ = _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out,
-                 op=f"dequant_sum/int{bits}/{jnp.dtype(dtype).name}", m=m, divisor=m, row_elements=b,
-                 block=b, slabs=k, K=k, M=m, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0)
+                 op=_op("dequant_sum", bits, rotate, dtype), m=m, divisor=m, row_elements=b,
+                 block=b, slabs=k, K=k, M=m, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0, **_rotation(b, rotate, 1))
   return y

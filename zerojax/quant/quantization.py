@@ -21,7 +21,7 @@ and dequantizes to exact zeros. Codes are 0 wherever the scale is 0 or not finit
 
 Two options (off by default, and then nothing changes): `rotate` multiplies each block by a Hadamard
 matrix before quantizing and back after dequantizing (`pallas_kernels.hadamard`: fixed butterflies,
-the same bits everywhere; inside the Pallas kernels, around the triton ones); `noise` (uniform in
+the same bits everywhere; inside the Pallas and Triton kernels, around the Mosaic ones); `noise` (uniform in
 (0, 1), shaped like the input) rounds stochastically, `floor(x / scale + u)`, unbiased (xla and
 Pallas; the triton and mosaic kernels refuse it).
 
@@ -77,15 +77,17 @@ def _opt(**kw) -> dict:
 
 def _kernel(name: str, op: str, *args, block: int | None = None, rotate: bool = False, noise=None, dtype=None):
   """`op` of backend `name`'s kernels (not xla) on `args`, and `dtype` for an op that dequantizes. The pallas
-  kernels rotate and round stochastically themselves. The triton and mosaic kernels do neither (noise is
-  refused before them): a dequantizing op's fp32 output is rotated back after them, and a quantizing op's
-  input (`args[0]`, blocks of `block` on its last axis) rotated before them."""
+  and triton kernels rotate themselves (one pass over memory), the pallas ones also round stochastically
+  (noise is refused before the others). The mosaic kernels do neither: a dequantizing op's fp32 output is
+  rotated back after them, and a quantizing op's input (`args[0]`, blocks of `block` on its last axis)
+  rotated before them."""
   fn = getattr(kernel_choice.kernels(name), op)
+  fused = name in ("pallas", "triton")
   if dtype is not None:
-    if name == "pallas" or not rotate:
+    if fused or not rotate:
       return fn(*args, dtype, **_opt(rotate=rotate))
     return xla_rows.unrotate(fn(*args, jnp.float32), True).astype(dtype)
-  if name == "pallas":
+  if fused:
     return fn(*args, **_opt(rotate=rotate, noise=noise))
   if rotate:
     x = args[0]
