@@ -67,6 +67,7 @@ from zerojax import gpu_aot  # noqa: E402
 from zerojax.models.gpt import Block, GPTConfig, embed_tokens, gpt, head_loss  # noqa: E402
 from zerojax.planner import remat as remat_choice  # noqa: E402
 from zerojax.engine.remat import ATTENTION  # noqa: E402
+from zerojax.plan.values import REMAT  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the other benchmarks' helpers
@@ -79,6 +80,9 @@ GPU = dict(d_model=2048, layers=12, heads=16, vocab=32000, seq=1024, batch=8, dt
 CPU = dict(d_model=64, layers=2, heads=4, vocab=256, seq=32, batch=None, dtype="float32", steps=3, reps=3)
 # remat as the plain step spells it: the policies zerojax's modes keep (`zerojax.engine.remat`)
 POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+            # zerojax's "offloaded" recomputes what "full" does with the layers' inputs in host memory; plain
+            # keeps them on the device (its fair twin: the same recompute)
+            "offloaded": jax.checkpoint_policies.nothing_saveable,
             "dots": jax.checkpoint_policies.save_from_both_policies(
                 jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                 jax.checkpoint_policies.save_only_these_names(ATTENTION))}
@@ -328,8 +332,8 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   combos = list(itertools.product(*(v.split(",") for v in (args.remat, args.attention, args.xla))))
   for remat, attention, xla in combos:
-    if remat not in ("auto", "full", "dots", "none") or xla not in XLA_SETS:
-      ap.error(f"--remat {remat!r} / --xla {xla!r}: use auto/full/dots/none and one of {sorted(XLA_SETS)}")
+    if remat not in ("auto", *REMAT) or xla not in XLA_SETS:
+      ap.error(f"--remat {remat!r} / --xla {xla!r}: use auto or one of {REMAT}, and one of {sorted(XLA_SETS)}")
   if args.compile_only:
     gpu_aot.compile_only_host()
     nodes, gpus = (int(v) for v in args.mesh.split("x"))

@@ -224,10 +224,12 @@ REMAT = {"zero3": zerojax.zero3(**F32), "hpz": zerojax.zero3(secondary_axes=("gp
 
 @pytest.mark.parametrize("name,mode,layers", helpers.sweep(
     [("zero3", "none", 4), ("zero3", "dots", 4), ("zero3", "none", 1), ("hpz", "none", 4), ("hpz", "dots", 2),
-     ("mics-sync", "none", 4), ("mics-sync", "dots", 1)], []))  # each ~12 s of CPU: all slow
+     ("mics-sync", "none", 4), ("mics-sync", "dots", 1), ("zero3", "offloaded", 4), ("mics-sync", "offloaded", 2)],
+    []))  # each ~12 s of CPU: all slow
 def test_prefetch_with_remat_modes_matches_single_device_grad(name, mode, layers):
   """remat "dots" / "none" under prefetch: each layer's backward reuses its saved activations with the
-  prefetched weights; `jax.grad`'s gradient up to float reassociation."""
+  prefetched weights ("offloaded": recomputes from its input brought back from host memory);
+  `jax.grad`'s gradient up to float reassociation."""
   plan = dataclasses.replace(REMAT[name], remat=mode, prefetch=True)
   grads, loss, _, _ = step(plan, layers)
   _, _, _, ref, ref_loss = case(layers)

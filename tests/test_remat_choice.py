@@ -3,7 +3,6 @@ measured on CPU with a given capacity (CPUs report none) and on compile-only H10
 options give way to the user's XLA_FLAGS."""
 import dataclasses
 
-import jax
 import numpy as np
 import optax
 import pytest
@@ -28,9 +27,10 @@ def fake_peaks(peaks: dict):
 
 
 @pytest.mark.parametrize("capacity,expect,tried", [(100, "none", ["none"]), (60, "dots", ["none", "dots"]),
-                                                   (30, "full", ["none", "dots", "full"])])
+                                                   (30, "full", ["none", "dots", "full"]),
+                                                   (15, "offloaded", ["none", "dots", "full", "offloaded"])])
 def test_auto_takes_the_first_mode_that_fits_least_recompute_first(capacity, expect, tried):
-  peak_of, calls = fake_peaks({"none": 90, "dots": 50, "full": 20})
+  peak_of, calls = fake_peaks({"none": 90, "dots": 50, "full": 20, "offloaded": 12})
   plan, report = remat_choice.choose(gpt(CFG), optax.adam(1e-3), zerojax.zero3(), zerojax.make_mesh(2), BATCH,
                                      capacity=capacity, peak_of=peak_of)
   assert plan.schedule.remat == expect and report["remat"] == expect and calls == tried
@@ -38,11 +38,11 @@ def test_auto_takes_the_first_mode_that_fits_least_recompute_first(capacity, exp
   assert expect in report["why"] and (len(tried) == 1 or "did not fit" in report["why"])
 
 
-def test_when_nothing_fits_auto_says_so_and_takes_full():
-  peak_of, _ = fake_peaks({"none": 90, "dots": 50, "full": 20})
+def test_when_nothing_fits_auto_says_so_and_takes_the_smallest():
+  peak_of, _ = fake_peaks({"none": 90, "dots": 50, "full": 20, "offloaded": 12})
   plan, report = remat_choice.choose(gpt(CFG), optax.adam(1e-3), zerojax.zero3(), zerojax.make_mesh(2), BATCH,
                                      capacity=10, peak_of=peak_of)
-  assert plan.schedule.remat == "full" and not any(r["fits"] for r in report["rows"])
+  assert plan.schedule.remat == "offloaded" and not any(r["fits"] for r in report["rows"])
   assert "no mode fits" in report["why"] and "shrink the batch" in report["why"]
 
 
@@ -102,3 +102,22 @@ def test_auto_picks_none_for_the_default_gpt_on_compile_only_h100s(nodes, gpus):
   assert plan.schedule.remat == "none" and report["rows"][0]["fits"], report
   assert 0 < report["rows"][0]["device_peak"] < capacity
   assert np.isfinite(report["rows"][0]["device_peak"])
+
+
+@pytest.mark.gpu_compile
+def test_offloaded_remat_keeps_the_layers_inputs_in_host_memory_on_compile_only_h100s():
+  """remat "offloaded" compiled for an H100: "full"'s recompute with each layer's input in host memory
+  between the forward and the backward: the device peak is lower by about the inputs of the layers, and
+  the program moves values to the host memory space (`S(5)`) and back, where "full" moves none."""
+  gpu_aot.compile_only_host()
+  mesh = zerojax.make_mesh(1, devices=gpu_aot.devices("h100", 1, 1))
+  cfg = GPTConfig(seq_len=256, d_model=512, num_heads=4, num_layers=16)  # the inputs outweigh the rest
+  batch, memory, hlo = (1, 32, cfg.seq_len + 1), {}, {}
+  for mode in ("full", "offloaded"):
+    ex = zerojax.Executor(gpt(cfg), optax.adam(1e-3), zerojax.zero3(remat=mode), mesh)
+    compiled, _ = gpu_aot.compile_step(ex, batch)
+    memory[mode], hlo[mode] = gpu_aot.memory(compiled), compiled.as_text()
+  inputs = cfg.num_layers * batch[1] * cfg.seq_len * cfg.d_model * 2  # the layers' bf16 inputs
+  assert memory["offloaded"]["host"]["temp"] == inputs and memory["full"]["host"]["temp"] == 0, memory
+  assert memory["full"]["device_peak"] - memory["offloaded"]["device_peak"] >= 0.5 * inputs, memory
+  assert "S(5)" in hlo["offloaded"] and "S(5)" not in hlo["full"]

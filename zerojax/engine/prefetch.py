@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zerojax.engine import remat
 from zerojax.engine.unit import (CallOrder, UnitMeta, call_backward, call_forward, ordered_after, reduce_and_sync,
                           shard_cotangents, sync_replicas)
 
@@ -77,7 +78,7 @@ def _reduce_beside(meta: UnitMeta, dp, window, state, g):
   layer out of the loop: a 4-layer stack keeps a loop of one trip, which XLA inlines, and its combiners
   then merge every layer's collectives into one each, overlapping nothing.)"""
   chunks, new = reduce_and_sync(meta, dp, None, state)
-  if window is not None and meta.remat == "full":
+  if window is not None and remat.recomputes(meta.remat):
     g, chunks = lax.optimization_barrier((g, chunks))
   return (sync_replicas(meta, chunks, window), new), g
 

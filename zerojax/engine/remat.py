@@ -1,14 +1,17 @@
 """Remat per plan (`Schedule.remat`): what a ZeRO unit keeps from its forward for its backward.
 
-"full" keeps only the unit's inputs and recomputes the whole forward in backward (the unit's
-`custom_vjp` does that itself). "dots" and "none" first cut the unit's forward where its activations
-start (`split`): the values of the weights alone (the weights, their casts, transposes and broadcasts)
-are computed apart and never saved, since the backward re-gathers the weights (ZeRO-3, hpZ) and
-computes them again; the rest, every operation of which depends on the unit's non-weight inputs, runs
-under `jax.vjp`. "none" keeps every residual that `jax.vjp` keeps, as a plain jitted step does (the
-same values, no more: a checkpoint that names its saved values would save the inputs of what it cannot
-name, e.g. the fp32 scores before a softmax, 1.25x the temporaries of the plain step at remat none on
-a compile-only H100). "dots" runs it under a `jax.checkpoint` that saves only the outputs of matmuls
+"full" keeps only the unit's inputs and recomputes the whole forward in backward (the unit's `custom_vjp`
+does that itself). "offloaded" is "full" with the kept inputs in host memory: each unit's (each layer's)
+input goes down to the host as its forward runs and comes back for its backward (`keep_inputs`,
+`inputs_back`), so the device holds none of them between the two; the cost is the activations' bytes over
+the host link each way, which XLA may overlap with the layers' compute. "dots" and "none" first cut the
+unit's forward where its activations start (`split`): the values of the weights alone (the weights, their
+casts, transposes and broadcasts) are computed apart and never saved, since the backward re-gathers the
+weights (ZeRO-3, hpZ) and computes them again; the rest, every operation of which depends on the unit's
+non-weight inputs, runs under `jax.vjp`. "none" keeps every residual that `jax.vjp` keeps, as a plain
+jitted step does (the same values, no more: a checkpoint that names its saved values would save the
+inputs of what it cannot name, e.g. the fp32 scores before a softmax, 1.25x the temporaries of the plain
+step at remat none on a compile-only H100). "dots" runs it under a `jax.checkpoint` that saves only the outputs of matmuls
 without batch dimensions (the weight matmuls, as `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)
 and the attention's output (the value named `ATTENTION`, so a fused attention is not run again);
 attention scores and elementwise ops are recomputed. So "dots" and "none" trade activation memory, per
@@ -25,10 +28,32 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 ACTIVATION = "zerojax_activation"
+RECOMPUTE = ("full", "offloaded")  # the modes whose backward recomputes the unit's whole forward
 ATTENTION = "attention_out"  # the attention's output (`zerojax.models.attention`): "dots" keeps it
+
+
+def recomputes(mode: str) -> bool:
+  """Whether the backward under `mode` recomputes the unit's whole forward from its inputs."""
+  return mode in RECOMPUTE
+
+
+def keep_inputs(mode: str, args: tuple) -> tuple:
+  """What a recomputing mode keeps of a unit's inputs: the inputs, in host memory under "offloaded"
+  (`jax.device_put` to the host memory space inside the step; scalars stay)."""
+  if mode != "offloaded":
+    return args
+  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host) if jnp.ndim(x) else x, args)
+
+
+def inputs_back(mode: str, kept: tuple) -> tuple:
+  """The inputs `keep_inputs` kept, back in device memory for the backward."""
+  if mode != "offloaded":
+    return kept
+  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if jnp.ndim(x) else x, kept)
 
 
 def _saveable(eqn, mode: str) -> bool:

@@ -126,22 +126,23 @@ def shard_cotangents(meta: UnitMeta, layers: int | None = None) -> list:
 
 
 def call_forward(f, meta: UnitMeta, flats: list, args: tuple, differentiated: bool = True):
-  """One call of `f` on the gathered weights `flats`: `(out, saved)`, `saved` being what its backward
-  needs under `Schedule.remat`: the inputs ("full") or the forward's activations without the weights
-  (`remat.forward`, "dots" / "none"); None when the call is not differentiated."""
+  """One call of `f` on the gathered weights `flats`: `(out, saved)`, `saved` being what its backward needs
+  under `Schedule.remat`: the inputs ("full"; in host memory under "offloaded") or the forward's
+  activations without the weights (`remat.forward`, "dots" / "none"); None when the call is not
+  differentiated."""
   mode = meta.remat
-  if not differentiated or mode == "full":
-    return f(params_tree(meta, flats), *args), (args if differentiated else None)
+  if not differentiated or remat.recomputes(mode):
+    return f(params_tree(meta, flats), *args), (remat.keep_inputs(mode, args) if differentiated else None)
   return remat.forward(f, mode, params_tree(meta, flats), *args)
 
 
 def call_backward(f, meta: UnitMeta, flats: list, saved, g):
   """`(parameter gradient, input cotangents)` of one call, on the re-gathered weights `flats`:
-  recomputing the forward ("full") or reusing its saved activations."""
+  recomputing the forward ("full", "offloaded") or reusing its saved activations."""
   if isinstance(saved, remat.Saved):  # remat "dots" / "none": the forward's vjp, re-gathered weights in
     vjp = saved.vjp_with(params_tree(meta, flats))
   else:
-    _, vjp = jax.vjp(f, params_tree(meta, flats), *saved)
+    _, vjp = jax.vjp(f, params_tree(meta, flats), *remat.inputs_back(meta.remat, saved))
   dparams, *dargs = vjp(g)
   return dparams, dargs
 

@@ -25,7 +25,7 @@ from zerojax.plan.checks import Axes
 from zerojax.plan.diloco import Diloco
 from zerojax.plan.radius import Radius
 REDUCE_VIA = ("auto", "all_to_all", "reduce_scatter")
-REMAT = ("full", "dots", "none")  # what a unit keeps for its backward (`zerojax.engine.remat`)
+REMAT = ("full", "dots", "none", "offloaded")  # what a unit keeps for its backward (`zerojax.engine.remat`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,10 +339,12 @@ class Schedule:
       backward). "dots": keeps the outputs of the matmuls with the weights
       (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`) and the attention's output
       (`zerojax.engine.remat.ATTENTION`), and recomputes the rest. "none": keeps
-      every residual of the forward and recomputes nothing. In every mode the backward re-gathers the
+      every residual of the forward and recomputes nothing. "offloaded": "full" with the kept inputs
+      in host memory between the forward and the backward (each layer's input crosses the host link
+      each way): the device holds no layer's input through the step. In every mode the backward re-gathers the
       weights (hpZ: from the secondary shard) instead of keeping them, so "dots" and "none" cost
       activation memory (per layer, for the whole backward), never gathered weights. "auto" or None (the
-      default): the cheapest of "none", "dots", "full" whose compiled step fits the device's memory,
+      default): the cheapest of "none", "dots", "full", "offloaded" whose compiled step fits the device's memory,
       chosen where the batch is known (`zerojax.planner.remat.choose`: `train.py`, `cli.compile`); on
       CPUs, and for an executor built without that choice, "none" when the parameters are not sharded
       (DP, ZeRO-1/2), else "full" (`Plan.remat_mode`).

@@ -1,14 +1,16 @@
 """Remat chosen by memory: `Schedule.remat="auto"` (the default) becomes the cheapest remat mode whose
 compiled train step fits the device.
 
-The modes, least recompute first: "none" (every residual kept: no forward runs twice), "dots" (the
-weight matmuls' outputs and the attention's output kept, the rest recomputed), "full" (only each unit's
-inputs kept, its whole forward recomputed). `choose` compiles the step of each in that order for the
-batch the run trains on (`gpu_aot.compile_step`: lowered and compiled, nothing runs; with offloaded state
-on compile-only GPUs, as a GPU's jax types its host-memory inputs) and keeps the first
-whose device peak (`gpu_aot.memory`'s `device_peak`: state, batch, temporaries) is within the device's
-memory; where none fits, "full", the smallest. Its report (`rows`, `why`) is what `train.py` logs and
-writes to `summary.json`, and what `python -m zerojax.cli.compile` prints.
+The modes, least recompute first: "none" (every residual kept: no forward runs twice), "dots" (the weight
+matmuls' outputs and the attention's output kept, the rest recomputed), "full" (only each unit's inputs
+kept, its whole forward recomputed), "offloaded" ("full" with the kept inputs in host memory: the same
+recompute plus each layer's input over the host link each way; taken only where "full" does not fit).
+`choose` compiles the step of each in that order for the batch the run trains on (`gpu_aot.compile_step`:
+lowered and compiled, nothing runs; with offloaded state on compile-only GPUs, as a GPU's jax types its
+host-memory inputs) and keeps the first whose device peak (`gpu_aot.memory`'s `device_peak`: state, batch,
+temporaries) is within the device's memory; where none fits, the one of smallest peak. Its report (`rows`,
+`why`) is what `train.py` logs and writes to `summary.json`, and what `python -m zerojax.cli.compile`
+prints.
 
 The device's memory: on a GPU the allocator's limit (`memory_stats()["bytes_limit"]`: jax preallocates
 `XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 by default, of the card); on a compile-only GPU the target's
@@ -16,10 +18,8 @@ The device's memory: on a GPU the allocator's limit (`memory_stats()["bytes_limi
 CPU) has no bound to fit, and "auto" keeps the rule that needs no compile (`Plan.remat_mode`: "none"
 without sharded parameters, else "full").
 
-A run with "auto" compiles up to three candidate steps once before it trains (seconds for the built-in
-GPT, ~10-30 s each for a 1B model on a GPU). Offloading residuals to host memory is not among the
-candidates: `jax.checkpoint_policies.offload_dot_with_no_batch_dims` moves saved values through the host
-link that host offload (`Sharding.offload`) already uses, and no measurement of the two together exists.
+A run with "auto" compiles up to four candidate steps once before it trains (seconds for the built-in
+GPT, ~10-30 s each for a 1B model on a GPU); the first that fits ends the search.
 
 References:
   Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost" (recompute traded for memory).
@@ -38,7 +38,7 @@ from zerojax.executor import Executor
 from zerojax.engine.model import Model
 from zerojax.plan import Plan
 
-ORDER = ("none", "dots", "full")  # least recompute first
+ORDER = ("none", "dots", "full", "offloaded")  # least recompute (and host traffic) first
 
 
 def choose(model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, batch_shape: tuple,
@@ -67,10 +67,11 @@ def choose(model: Model, optimizer: optax.GradientTransformation, plan: Plan, me
       why = (f"remat auto: {mode!r}, compiled device peak {peak / 1e9:.2f} GB within {capacity / 1e9:.2f} GB"
              + (f" ({ruled_out} did not fit)" if ruled_out else ""))
       return candidate, {"remat": mode, "capacity": capacity, "rows": rows, "why": why}
-  return dataclasses.replace(plan, remat="full"), {
-      "remat": "full", "capacity": capacity, "rows": rows,
-      "why": (f"remat auto: 'full'; no mode fits {capacity / 1e9:.2f} GB (smallest peak "
-              f"{rows[-1]['device_peak'] / 1e9:.2f} GB): expect an out-of-memory error; shrink the batch or "
+  smallest = min(rows, key=lambda r: r["device_peak"])
+  return dataclasses.replace(plan, remat=smallest["remat"]), {
+      "remat": smallest["remat"], "capacity": capacity, "rows": rows,
+      "why": (f"remat auto: {smallest['remat']!r}; no mode fits {capacity / 1e9:.2f} GB (smallest peak "
+              f"{smallest['device_peak'] / 1e9:.2f} GB): expect an out-of-memory error; shrink the batch or "
               "shard more (e.g. zero3, offload)")}
 
 
