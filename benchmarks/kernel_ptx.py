@@ -21,7 +21,7 @@ fusions may loop: their static count is a lower bound.
   JAX_PLATFORMS=cpu python benchmarks/kernel_ptx.py [--label after] [--elements 1M] [--out FILE]
 
 With `--out` the result is merged into FILE under `--label` (default "after"), so a "before" and an
-"after" sit side by side; `summary` compares them where both are present.
+"after" (and later runs under their own labels) sit side by side; `summary` lists each row under every label.
 
 References:
   ZeRO++: Wang et al. 2023, §4.2 (kernels at memory bandwidth). SDP4Bit: Jia et al. 2024, §3.2 (rotation).
@@ -251,10 +251,11 @@ def backends() -> list[str]:
 
 
 def summary(result: dict) -> list[dict]:
-  """Per op, bits and backend: launches and the kernels' instructions per element, before and after."""
+  """Per op, bits and backend: launches and the kernels' instructions per element under every label (in
+  the order the runs were added: "before", "after", ...)."""
   rows = {}
-  for label in ("before", "after"):
-    for r in result.get(label, {}).get("rows", []):
+  for label in (k for k, v in result.items() if isinstance(v, dict) and "rows" in v):
+    for r in result[label]["rows"]:
       key = (r["op"], r["bits"], r["backend"])
       instr = round(sum(k["per_element"].get("instructions", 0) for k in r.get("kernels", [])), 2)
       rows.setdefault(key, {})[label] = dict(launches=r.get("launches"), instructions_per_element=instr,

@@ -21,7 +21,7 @@ and dequantizes to exact zeros. Codes are 0 wherever the scale is 0 or not finit
 
 Two options (off by default, and then nothing changes): `rotate` multiplies each block by a Hadamard
 matrix before quantizing and back after dequantizing (`pallas_kernels.hadamard`: fixed butterflies,
-the same bits everywhere; inside the Pallas and Triton kernels, around the Mosaic ones); `noise` (uniform in
+the same bits everywhere; inside the Pallas and Triton kernels; the mosaic kernels refuse it); `noise` (uniform in
 (0, 1), shaped like the input) rounds stochastically, `floor(x / scale + u)`, unbiased (xla and
 Pallas; the triton and mosaic kernels refuse it).
 
@@ -75,25 +75,14 @@ def _opt(**kw) -> dict:
   return {k: v for k, v in kw.items() if v is not None and v is not False}
 
 
-def _kernel(name: str, op: str, *args, block: int | None = None, rotate: bool = False, noise=None, dtype=None):
+def _kernel(name: str, op: str, *args, rotate: bool = False, noise=None, dtype=None):
   """`op` of backend `name`'s kernels (not xla) on `args`, and `dtype` for an op that dequantizes. The pallas
-  and triton kernels rotate themselves (one pass over memory), the pallas ones also round stochastically
-  (noise is refused before the others). The mosaic kernels do neither: a dequantizing op's fp32 output is
-  rotated back after them, and a quantizing op's input (`args[0]`, blocks of `block` on its last axis)
-  rotated before them."""
+  and triton kernels rotate inside the kernel (one pass over memory), the pallas ones also round
+  stochastically; the others' refusals come first (`_check`: noise on triton; `kernel_choice.resolve_backend`:
+  rotation and noise on mosaic)."""
   fn = getattr(kernel_choice.kernels(name), op)
-  fused = name in ("pallas", "triton")
-  if dtype is not None:
-    if fused or not rotate:
-      return fn(*args, dtype, **_opt(rotate=rotate))
-    return xla_rows.unrotate(fn(*args, jnp.float32), True).astype(dtype)
-  if fused:
-    return fn(*args, **_opt(rotate=rotate, noise=noise))
-  if rotate:
-    x = args[0]
-    x = hadamard.fwht_rows(x.astype(jnp.float32).reshape(-1, block), hadamard.scales(block)[0]).reshape(x.shape)
-    args = (x, *args[1:])
-  return fn(*args)
+  kw = _opt(rotate=rotate, noise=noise)
+  return fn(*args, **kw) if dtype is None else fn(*args, dtype, **kw)
 
 
 # --- public API -----------------------------------------------------------------------------------
@@ -158,7 +147,7 @@ def _quantize(x, noise, bits, block, rotate, name):
     codes, s_M = xla_rows.quantize_rows(x_MxB, bits, rotate, u_MxB)
     v_MxBp = xla_rows.pack(codes, bits)
   else:
-    v_MxBp, s_M = _kernel(name, "quantize_rows", x_MxB, bits, block=block, rotate=rotate, noise=u_MxB)
+    v_MxBp, s_M = _kernel(name, "quantize_rows", x_MxB, bits, rotate=rotate, noise=u_MxB)
   return v_MxBp.reshape(-1), s_M
 
 
@@ -238,7 +227,7 @@ def _reorder_quantize(x, noise, nodes, gpus, bits, block, stages, rotate, name):
                                 None if noise is None else to_rows(u_NxGxSxC))
     v = xla_rows.pack(codes, bits).reshape(stages, gpus, nodes, packed_len(cs, bits))
     return v, s_M.reshape(stages, gpus, nodes, cs // block)
-  return _kernel(name, "reorder_quantize", x_NxGxSxC, bits, block, block=block, rotate=rotate, noise=u_NxGxSxC)
+  return _kernel(name, "reorder_quantize", x_NxGxSxC, bits, block, rotate=rotate, noise=u_NxGxSxC)
 
 
 def _slabs(values: jax.Array, scales: jax.Array, bits: int, block: int):
