@@ -5,9 +5,13 @@ The same operations and the same arithmetic as `pallas_kernels.block_quant` and 
 absmax * fp32(1 / qmax) rounded up to 16 significant bits, codes the exactly rounded |x| / scale
 (the estimate rint(|x| * r), one `rcp.approx` r per block and a multiplication per element, corrected
 by exact comparisons), value = code * scale (exact), fp32 sums in slab order. Each program
-handles ROWS blocks of B elements; int4 tiles are handled as even/odd lanes (the low/high nibbles).
-The reordering of qgZ is a row map: output row (s, g, n, j) reads input row (n, g, s, j), so the
-fused kernel costs what a plain quantization of contiguous data costs.
+handles ROWS blocks of B elements as a [ROWS, B] tile, loaded and stored whole (16-byte accesses); int4
+codes are split into their even and odd elements (the low and high nibbles) in registers just before
+packing and joined just after unpacking. The reordering of qgZ is a row map: output row (s, g, n, j) reads
+input row (n, g, s, j), so the fused kernel costs what a plain quantization of contiguous data costs.
+The Hadamard rotation runs inside the kernels (one pass over memory): `hadamard.fwht_tile`'s stages,
+each a reshape, permute, split and join of the tile, the same additions in the same order, so the bits
+are xla's (docs/quantization.md, "Where the time goes").
 
 `triton` and `jax_triton` are optional (zerojax[gpu]): they are imported inside functions, and
 `require_jax_triton` raises a clear error where they are missing. The kernels lower for the platform
@@ -24,7 +28,8 @@ otherwise ask a local GPU for:
 
 References:
   ZeRO++: Wang et al. 2023, §4.2 (vectorized quantization kernels; reorder+quantize fusion;
-  dequantize + reduce + quantize fusion), §4.1.2 Algorithm 2.
+  dequantize + reduce + quantize fusion), §4.1.2 Algorithm 2. SDP4Bit: Jia et al. 2024, §3.2 (Hadamard
+  rotation of 4-bit blocks).
 """
 from __future__ import annotations
 
