@@ -73,14 +73,29 @@ def test_rotated_ops_pallas_equal_xla(bits, block):
   tiles (`hadamard.fwht_tile`), xla its lanes (`fwht_rows`); the same butterflies, so the same bits, for
   quantize, reorder_quantize, dequantize and dequant_sum, bf16 in and out, NaN/Inf/zero blocks included."""
   x = _data(N * G * 4 * block, jnp.bfloat16)
-  out = {}
-  for be in ("xla", "pallas"):
-    v, s = Q.quantize(x, bits, block, rotate=True, backend=be)
-    rv, rs = Q.reorder_quantize(x, N, G, bits, block, rotate=True, backend=be)
-    vk, sk = rv.reshape(G, -1), rs.reshape(G, -1)
-    out[be] = [v, s, Q.dequantize(v, s, bits, block, dtype=jnp.bfloat16, rotate=True, backend=be), rv, rs,
-               Q.dequant_sum(vk, sk, bits, block, dtype=jnp.bfloat16, rotate=True, backend=be)]
-  for a, b in zip(out["xla"], out["pallas"]):
+  for a, b in zip(_rotated_ops(x, bits, block, "xla"), _rotated_ops(x, bits, block, "pallas")):
+    _assert_same(b, a)
+
+
+def _rotated_ops(x, bits, block, backend):
+  v, s = Q.quantize(x, bits, block, rotate=True, backend=backend)
+  rv, rs = Q.reorder_quantize(x, N, G, bits, block, rotate=True, backend=backend)
+  vk, sk = rv.reshape(G, -1), rs.reshape(G, -1)
+  return [v, s, Q.dequantize(v, s, bits, block, dtype=jnp.bfloat16, rotate=True, backend=backend), rv, rs,
+          Q.dequant_sum(vk, sk, bits, block, dtype=jnp.bfloat16, rotate=True, backend=backend)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [BLOCK, 256])
+def test_gpu_rotated_ops_equal_xla(backend, bits, block):
+  """On a GPU: the Pallas and Triton kernels' rotation (in the kernel) gives xla's bits (xla's butterfly
+  passes), bf16 in and out, NaN/Inf/zero blocks included."""
+  x = _data(N * G * 4 * block, jnp.bfloat16)
+  ref = _rotated_ops(x, bits, block, "xla")
+  got = jax.jit(functools.partial(_rotated_ops, bits=bits, block=block, backend=backend))(x)
+  for a, b in zip(ref, got):
     _assert_same(b, a)
 
 
