@@ -12,6 +12,8 @@
 #   5. a profiled train step of configs/zeropp.gin -> OUT_DIR/profile/ (a jax.profiler trace for
 #      TensorBoard/Perfetto: where the collectives run beside the kernels, what only a GPU can show).
 # Install first: pip install -e '.[test,bench,gpu,gpu-aot]' with a CUDA jax (pip install 'jax[cuda12]').
+# For one short device session (15 minutes, no package index) use benchmarks/gpu/device_kit.sh instead:
+# docs/gpu.md, "One device session" (the parts with goals, capped by a global deadline; wheels carried).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-benchmarks/gpu}"
