@@ -34,8 +34,9 @@
 #   kernels         220 s   60  240   95   bench_kernels.py --sizes 256M --tuning 1 --no_fusion, backends
 #                                          $KBACKENDS (default pallas) -> kernels.json; the winners -> kernel_tuning.json.
 #                                          Tuning compiles 18 keys' candidates (12 one-slab ops x 14 + 6 K-slab
-#                                          x 28 = 336; 0.43-0.70 s each compiled for a compile-only H100 on a
-#                                          2-core host: ~190 s) + 36 rows and the copy ceiling (~30 s). With
+#                                          x 28 = 336; compiled for a compile-only H100 on a 2-core host, int8
+#                                          quantize took 0.43 s a candidate in pallas, 0.70 s rotated (triton
+#                                          0.32 / 0.89 s): ~190 s) + 36 rows and the copy ceiling (~30 s). With
 #                                          the winners carried (benchmarks/gpu/kernel_tuning.json) ~40 s.
 #   tests            95 s   60  120    0   pytest -m gpu -n 0 (32 tests, 91.5 s in the second run) -> kit.log
 #                                          (full output) and kit.json (counts, failures); kernels untuned.
@@ -53,10 +54,12 @@
 # ZEROJAX_KERNEL_TUNING=0 (the defaults table): only the kernels part times launch configurations.
 # Each benchmark records a failing system or a differing kernel in its JSON and goes on.
 #
-# Outputs under $OUT (the run tool brings back at most 8 files): kit.json (versions, per part its limit,
-# seconds, exit status; the goals of issues 42, 44 and 46 and the test counts, from
-# benchmarks/gpu/kit_summary.py, rewritten after every part), kit.log (every part's output), step.json,
-# offload_cost.json, kernels.json, kernel_tuning.json, step_remat.json, offload_fit.json.
+# Outputs under $OUT (the run tool brings back at most 8 files; the kit's own from an earlier run are removed
+# first): kit.json (versions, per part its limit, seconds, exit status; the goals of issues 42, 44 and 46 and
+# the test counts, from benchmarks/gpu/kit_summary.py, rewritten after every part), kit.log (every part's
+# output), step.json, offload_cost.json, kernels.json, kernel_tuning.json, step_remat.json, offload_fit.json.
+# A part's status: ok, timeout, skipped, or failed (non-zero exit: a benchmark exits 1 where a row holds an
+# error, and its JSON is written all the same).
 #
 # DRY=1: on this CPU machine (JAX_PLATFORMS=cpu), every part at tiny sizes (a few minutes): the same command
 # lines with size flags appended (argparse keeps the last). PLAN=1: print each part's command line, run nothing.
@@ -107,6 +110,7 @@ LOG=$OUT/kit.log
 if [ "$PLAN" != 1 ]; then
   WORK=$(mktemp -d /tmp/device_kit.XXXXXX)
   mkdir -p "$OUT"
+  rm -f "$OUT"/{kit.json,kit.log,step.json,offload_cost.json,kernels.json,kernel_tuning.json,step_remat.json,offload_fit.json}
   : > "$LOG"
   SITE=${SITE:-$([ "$DRY" = 1 ] && echo "$WORK/site" || echo /tmp/site)}
   if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
