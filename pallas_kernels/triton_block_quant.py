@@ -47,7 +47,7 @@ from pallas_kernels import block_format, hadamard, per_platform, tuning
 CC_ENV = "ZEROJAX_TRITON_COMPUTE_CAPABILITY"
 PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
 
-# Bound by `_kernels()` once triton is importable.
+# Bound by `kernels()` once triton is importable.
 tl = libdevice = None
 _abs_or_inf = _scale = _inverse = _codes = _butterflies = _fwht = _load_codes = _store_codes = _quantize_store = None
 
@@ -108,7 +108,7 @@ def configure_ptxas() -> None:
     os.environ[k] = path
 
 
-def _launch(kernel, args, *, out, op, m, divisor, row_elements, block, slabs=1, **meta):
+def launch(kernel, args, *, out, op, m, divisor, row_elements, block, slabs=1, **meta):
   """The kernel for the platform the program is lowered for: through jax-triton on cuda (with the
   target's compute capability), refused elsewhere. Its m rows run in m // ROWS programs of ROWS rows,
   ROWS = `cfg.rows(divisor, row_elements)` with the launch configuration `tuning.config` picks (timed
@@ -140,7 +140,7 @@ def _launch(kernel, args, *, out, op, m, divisor, row_elements, block, slabs=1, 
 
 
 @functools.cache
-def _kernels():
+def kernels():
   """Builds the @triton.jit kernels (only callable where triton imports).
 
   Triton resolves the names a kernel uses in its module's globals, so the lazily imported modules
@@ -314,10 +314,10 @@ def quantize_rows(x_MxB: jax.Array, bits: int, rotate: bool = False) -> tuple[ja
   """[M, B] -> (values [M, Bp], scales [M]); see `pallas_kernels.block_quant.quantize_rows` (`rotate`:
   each row times the Hadamard matrix first, in the kernel)."""
   m, b = x_MxB.shape
-  quantize, _ = _kernels()
+  quantize, _ = kernels()
   out = (jax.ShapeDtypeStruct((m, _packed(b, bits)), _vdtype(bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  return _launch(quantize, [x_MxB], out=out, op=_op("quantize", bits, rotate), m=m, divisor=m,
+  return launch(quantize, [x_MxB], out=out, op=_op("quantize", bits, rotate), m=m, divisor=m,
                  row_elements=b, block=b, N=1, G=1, S=1, NB=m, B=b, BITS=bits, **_rotation(b, rotate, 0))
 
 
@@ -326,11 +326,11 @@ def reorder_quantize(x_NxGxSxC: jax.Array, bits: int, block: int,
   """[N, G, S, C] -> values [S, G, N, Cp], scales [S, G, N, C / block] (`rotate` as in `quantize_rows`)."""
   n, g, s, c = x_NxGxSxC.shape
   nb = c // block
-  quantize, _ = _kernels()
+  quantize, _ = kernels()
   m = n * g * s * nb
   out = (jax.ShapeDtypeStruct((m, _packed(block, bits)), _vdtype(bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  v, sc = _launch(quantize, [x_NxGxSxC.reshape(m, block)], out=out, op=_op("reorder_quantize", bits, rotate),
+  v, sc = launch(quantize, [x_NxGxSxC.reshape(m, block)], out=out, op=_op("reorder_quantize", bits, rotate),
                   m=m, divisor=nb, row_elements=block, block=block, N=n, G=g, S=s, NB=nb, B=block, BITS=bits,
                   **_rotation(block, rotate, 0))
   return v.reshape(s, g, n, nb * _packed(block, bits)), sc.reshape(s, g, n, nb)
@@ -340,9 +340,9 @@ def dequantize_rows(v_MxBp: jax.Array, s_M: jax.Array, bits: int, dtype, rotate:
   """[M, Bp], [M] -> [M, B] in `dtype` (rotated back with `rotate`, in the kernel)."""
   m, bp = v_MxBp.shape
   b = bp if bits == 8 else 2 * bp
-  _, dequant_sum = _kernels()
+  _, dequant_sum = kernels()
   out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
-  y, _ = _launch(dequant_sum, [v_MxBp, s_M.astype(jnp.float32)], out=out,
+  y, _ = launch(dequant_sum, [v_MxBp, s_M.astype(jnp.float32)], out=out,
                  op=_op("dequantize", bits, rotate, dtype), m=m, divisor=m, row_elements=b, block=b,
                  K=1, M=m, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0, **_rotation(b, rotate, 1))
   return y
@@ -353,10 +353,10 @@ def dequant_sum_quantize_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int,
   """[K, M, Bp], [K, M] -> requantized sum (values [M, Bp'], scales [M])."""
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
-  _, dequant_sum = _kernels()
+  _, dequant_sum = kernels()
   out = (jax.ShapeDtypeStruct((m, _packed(b, out_bits)), _vdtype(out_bits)),
          jax.ShapeDtypeStruct((m,), jnp.float32))
-  return _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out,
+  return launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out,
                  op=f"dequant_sum_quantize/{out_bits}/int{bits}", m=m, divisor=m, row_elements=b, block=b,
                  slabs=k, K=k, M=m, B=b, BITS=bits, OUT_BITS=out_bits, REQUANT=1, **_rotation(b, False, 1))
 
@@ -365,9 +365,9 @@ def dequant_sum_rows(v_KxMxBp: jax.Array, s_KxM: jax.Array, bits: int, dtype, ro
   """[K, M, Bp], [K, M] -> fp32 sum (rotated back with `rotate`, in the kernel) cast to `dtype`: [M, B]."""
   k, m, bp = v_KxMxBp.shape
   b = bp if bits == 8 else 2 * bp
-  _, dequant_sum = _kernels()
+  _, dequant_sum = kernels()
   out = (jax.ShapeDtypeStruct((m, b), dtype), jax.ShapeDtypeStruct((1,), jnp.float32))
-  y, _ = _launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out,
+  y, _ = launch(dequant_sum, [v_KxMxBp, s_KxM.astype(jnp.float32)], out=out,
                  op=_op("dequant_sum", bits, rotate, dtype), m=m, divisor=m, row_elements=b,
                  block=b, slabs=k, K=k, M=m, B=b, BITS=bits, OUT_BITS=bits, REQUANT=0, **_rotation(b, rotate, 1))
   return y

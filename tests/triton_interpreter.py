@@ -11,7 +11,7 @@ filled in here:
   (`block_format`); libdevice's `rint` (no extern calls) is numpy's rint, round half to even as `cvt.rni`;
 - fp32 -> bf16 rounds to nearest even, as the compiled kernels' `cvt.rn.bf16.f32` does (the interpreter
   truncates);
-- the launch: `triton_block_quant._launch` is replaced by one that runs the kernel over host numpy arrays
+- the launch: `triton_block_quant.launch` is replaced by one that runs the kernel over host numpy arrays
   with the rows per program and grid the compiled launch takes (`tuning.default()`), so that the module's
   public functions, and `zerojax.quant.quantization`'s backend='triton' on eager arrays, run them.
 
@@ -87,9 +87,9 @@ def install() -> None:
   # host arrays already: nothing to copy to or from a device
   interpreter.GridExecutor._init_args_hst = lambda self, args, kwargs: (args, kwargs)
   interpreter.GridExecutor._restore_args_dev = lambda self, *a: None
-  T._kernels()
+  T.kernels()
   T.libdevice = SimpleNamespace(rint=_rint)
-  T._launch = _launch
+  T.launch = _launch
 
 
 def _bits(a) -> np.ndarray:
@@ -128,7 +128,7 @@ def _ops(Q, x, bits, block, backend, nodes, gpus):
 def checks() -> list[dict]:
   """backend='triton' against backend='xla', bit for bit: every op, bits 8 and 4, blocks 64 and 256,
   fp32 and bf16; and quantize against the numpy model of the format on its adversarial blocks."""
-  from tests.test_block_format import adversarial_blocks, model
+  from tests.block_model import adversarial_blocks, model
   from zerojax.quant import quantization as Q
   rows = []
   nodes, gpus = 2, 4
