@@ -75,3 +75,24 @@ def test_allow_changed_names_are_checked():
     config.check_allowed(["train.stepz"])
   with pytest.raises(config.ConfigError, match="the model and the optimizer's kind never change"):
     config.check_allowed(["make_optimizer.name"])
+
+
+def test_train_py_keeps_compiled_programs_unless_told_otherwise(monkeypatch, tmp_path):
+  """train.py turns JAX's persistent compilation cache on (a restart loads what it compiled before); '' turns
+  it off and JAX_COMPILATION_CACHE_DIR, where set, wins."""
+  import jax
+  from zerojax.cli import train as cli
+  assert cli.parser().parse_args(["--workdir", "w"]).compilation_cache == cli.DEFAULT_CACHE
+  before = jax.config.jax_compilation_cache_dir
+  try:
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    cli.set_compilation_cache(str(tmp_path / "cache"))
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
+    jax.config.update("jax_compilation_cache_dir", None)
+    cli.set_compilation_cache("")
+    assert jax.config.jax_compilation_cache_dir is None
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    cli.set_compilation_cache(str(tmp_path / "cache"))
+    assert jax.config.jax_compilation_cache_dir is None  # jax reads the environment's itself
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before)

@@ -30,6 +30,7 @@ from zerojax.train.checkpoint import SaveError
 from zerojax.train.config import REPO_ROOT, ConfigError  # noqa: F401  (REPO_ROOT: configs resolve against it)
 
 DEFAULT_DEVICES = 8
+DEFAULT_CACHE = os.path.join("~", ".cache", "zerojax", "jax")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,6 +79,10 @@ def parser(with_parameters: bool = False) -> argparse.ArgumentParser:
                   help="CPU devices in this process (default: JAX_NUM_CPU_DEVICES or XLA_FLAGS' "
                        f"--xla_force_host_platform_device_count if set, else {DEFAULT_DEVICES} on a "
                        "machine without an accelerator)")
+  ap.add_argument("--compilation_cache", default=DEFAULT_CACHE, metavar="DIR",
+                  help="JAX's persistent compilation cache: a restarted or resumed run loads its compiled "
+                       "programs instead of compiling them again (default "
+                       f"{DEFAULT_CACHE}; '' turns it off; JAX_COMPILATION_CACHE_DIR, where set, wins)")
   ap.add_argument("--verbose", action="store_true", help="print the traceback of errors")
   return ap
 
@@ -144,6 +149,7 @@ def _run(args) -> int:
   if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
     raise ConfigError(f"--workdir {args.workdir!r} is a file; pass a folder (created if missing)")
   devices = _set_device_count(args.devices)
+  set_compilation_cache(args.compilation_cache)
   import jax
   from zerojax.train import config as config_lib, trainer
   from zerojax.train.signals import exit_code
@@ -182,6 +188,17 @@ def _event(text: str | None) -> dict | None:
   if not isinstance(event, dict) or "kind" not in event:
     raise ConfigError(f"--event {text!r} must be a JSON object with a \"kind\"")
   return event
+
+
+def set_compilation_cache(path: str) -> None:
+  """JAX's persistent compilation cache in `path` (as MaxText's `jax_cache_dir`), unless the environment
+  names one (JAX_COMPILATION_CACHE_DIR) or `path` is ''. Programs that took over a second to compile are
+  kept: a supervisor's restart (docs/training.md, "When a node dies") and a resumed job skip the compile of
+  a program they ran before."""
+  if not path or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return
+  import jax
+  jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
 
 
 def _set_device_count(devices: int | None) -> str | None:
