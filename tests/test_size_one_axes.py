@@ -139,7 +139,8 @@ def _bf16_step(name, accum, monkeypatch=None):
 
 def _without_metadata(hlo: str) -> str:
   """The optimized HLO without source locations (newer jax lists the Python frames of every op)."""
-  hlo = re.sub(r"\nFileNames\n.*?\n\n", "\n", hlo, flags=re.S)  # the table of source frames
+  # the tables of source files, functions, locations and stack frames, each to the next empty line
+  hlo = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n)*\n?", "", hlo, flags=re.M)
   return re.sub(r", (metadata|stack_frame_id)=(\{[^}\n]*\}|\d+)", "", hlo)
 
 
