@@ -217,8 +217,8 @@ def test_device_kit_parses():
 @pytest.mark.parametrize("dry", ["0", "1"])
 def test_device_kit_command_lines_are_accepted_by_their_benchmarks(dry, tmp_path, monkeypatch):
   """Every part's command line (GPU sizes, and DRY=1's tiny sizes appended) passes its benchmark's parser;
-  the GPU lines measure what the goals need; the outputs are distinct files under OUT, at most the 8 the
-  run tool brings back with kit.json, kit.log and kernel_tuning.json."""
+  the GPU lines measure what the goals need; the outputs are distinct files under OUT, at most 8 with
+  kit.json, kit.log and kernel_tuning.json (what a harness that copies a few files back gets)."""
   from tests import platforms
   plan = kit_plan(tmp_path, DRY=dry)
   assert [name for name, _ in plan] == KIT_PARTS

@@ -5,7 +5,7 @@
 #
 #   OUT=$OUT DEADLINE=540 bash benchmarks/gpu/device_kit.sh
 #
-# Wheels: the packages that machine lacks travel in the git-ignored folder .whl/ (the run tool's `carry`).
+# Wheels: the packages that machine lacks travel in the git-ignored folder .whl/, copied with the repository.
 # Fill it here, once (pure-Python wheels, ~170 kB; their needs, absl-py, numpy, packaging, protobuf and
 # triton >= 3.6, are on that machine):
 #
@@ -54,10 +54,11 @@
 # ZEROJAX_KERNEL_TUNING=0 (the defaults table): only the kernels part times launch configurations.
 # Each benchmark records a failing system or a differing kernel in its JSON and goes on.
 #
-# Outputs under $OUT (the run tool brings back at most 8 files; the kit's own from an earlier run are removed
-# first): kit.json (versions, per part its limit, seconds, exit status; the goals of issues 42, 44 and 46 and
-# the test counts, from benchmarks/gpu/kit_summary.py, rewritten after every part), kit.log (every part's
-# output), step.json, offload_cost.json, kernels.json, kernel_tuning.json, step_remat.json, offload_fit.json.
+# Outputs under $OUT (at most 8 files, so that a harness that copies a few files back gets them all; the kit's
+# own from an earlier run are removed first): kit.json (versions, per part its limit, seconds, exit status;
+# the goals of issues 42, 44 and 46 and the test counts, from benchmarks/gpu/kit_summary.py, rewritten after
+# every part), kit.log (every part's output), step.json, offload_cost.json, kernels.json, kernel_tuning.json,
+# step_remat.json, offload_fit.json.
 # A part's status: ok, timeout, skipped, or failed (non-zero exit: a benchmark exits 1 where a row holds an
 # error, and its JSON is written all the same).
 #
