@@ -21,15 +21,15 @@
       size found then runs without offload, in its own process too (out of memory where offload was needed).
       Rows: losses, ms per step, the compiled program's memory (device and host). The GPU kit runs it;
       `--compile_only h100 --device_bytes B --host_bytes B` compiles each try for a compile-only H100 instead,
-      as a GPU's jax types it (`compile_as_on_gpu`; a try fits when the device peak is at most B and the host
-      bytes at most the host's). `--fit_probe --layers L [--out F]` is one such try; with `--bulk` the states
+      as a GPU's jax types it (`gpu_aot.compile_as_on_gpu`; a try fits when the device peak is at most B and
+      the host bytes at most the host's). `--fit_probe --layers L [--out F]` is one such try; with `--bulk` the states
       are fetched at once after the backward, as before the streamed update.
 
   python benchmarks/bench_offload.py --moves --compile_only h100 [--d_model 1024] [--layers 8] [--seq 512]
-      the --fit GPT on one compile-only H100, compiled as on a GPU (`compile_as_on_gpu`) without offload and with
-      offload=("opt_state", "master") for each `--updates` (bulk, streamed, host): the device peak, and per
-      step the bytes moved host->device and device->host and the pairs of opposite moves in flight at once
-      (`zerojax.analysis.host_moves`).
+      the --fit GPT on one compile-only H100, compiled as on a GPU (`gpu_aot.compile_as_on_gpu`) without
+      offload and with offload=("opt_state", "master") for each `--updates` (bulk, streamed, host): the
+      device peak, and per step the bytes moved host->device and device->host and the pairs of opposite moves
+      in flight at once (`zerojax.analysis.host_moves`).
   `--updates` (cost mode too, default "streamed"): where the offloaded update runs (`Sharding.offload_update`);
   "host" is timed with both fields offloaded only (it needs them).
 
@@ -128,42 +128,6 @@ def cost(args) -> dict:
           "steps": args.steps, "reps": args.reps, "rows": rows}
 
 
-class _Compiled:
-  """A compiled executable seen through the methods `gpu_aot.memory` and the schedule readers use."""
-  def __init__(self, exe):
-    self.exe = exe
-
-  def memory_analysis(self):
-    return self.exe.get_compiled_memory_stats()
-
-  def as_text(self) -> str:
-    return self.exe.hlo_modules()[0].to_string()
-
-
-def compile_as_on_gpu(ex, batch_shape, target: str = "h100"):
-  """The train step of `ex` (an executor on CPU devices) lowered for CUDA and compiled for compile-only
-  `target` GPUs, as many as `ex`'s devices: the program a GPU gets.
-
-  Compile-only GPUs list no memories, so jax (0.10.2) drops the memory kind of their shardings: the step
-  compiled on them (`gpu_aot.compile_step`) has no input in host memory for jax, which types the offloaded
-  states as device memory, and XLA infers their host placement from the moves. CPU devices, like GPUs,
-  have "pinned_host": traced on them the step's inputs are typed and lowered as host memory (the in-place
-  update of `offload.stream_layers`; the schedule of the moves), and the compile-only GPU compiles that.
-  Only choices made from the mesh's platform differ (`gpu_aot.is_gpu`: prefetch, kernels); dp on one
-  device has none."""
-  from jax._src import compiler
-  from jax._src.lib import xla_client as xc
-
-  gpus = gpu_aot.devices(target, 1, ex.mesh.size)
-  traced = ex.step_fn().trace(*gpu_aot.abstract_inputs(ex, batch_shape))
-  module = traced.lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-  client = gpus[0].client
-  options = compiler.get_compile_options(num_replicas=1, num_partitions=len(gpus),
-                                         device_assignment=np.array(gpus).reshape(1, len(gpus)),
-                                         env_options_overrides=dict(gpu_aot.GPU_COMPILER_OPTIONS), backend=client)
-  return _Compiled(compiler.backend_compile_and_load(client, module, xc.DeviceList(tuple(gpus)), options, []))
-
-
 def gpt_params(d: int, layers: int, vocab: int = 32000) -> int:
   """Parameters of the --fit GPT: 12 d^2 per layer, the embedding and the head."""
   return 12 * d * d * layers + 2 * vocab * d
@@ -171,10 +135,12 @@ def gpt_params(d: int, layers: int, vocab: int = 32000) -> int:
 
 def fit_executor(args, layers: int, setting: tuple, update: str | None = None):
   """(the --fit GPT of `layers` with offload `setting` on one device, a token batch [1, 1, seq + 1]): on the
-  device present, or with `--compile_only` on a CPU device (`compile_as_on_gpu` compiles it for the GPU)."""
+  device present, or with `--compile_only` on a compile-only GPU (`gpu_aot.compile_step` compiles it as a GPU
+  gets it: `gpu_aot.compile_as_on_gpu`)."""
   d = args.d_model
   cfg = GPTConfig(vocab_size=32000, seq_len=args.seq, d_model=d, num_heads=d // 128, num_layers=layers)
-  mesh = zerojax.make_mesh(1, 1, devices=jax.devices("cpu" if args.compile_only else None)[:1])
+  mesh = zerojax.make_mesh(1, 1, devices=gpu_aot.devices(args.compile_only, 1, 1) if args.compile_only
+                           else jax.devices()[:1])
   update = update or ("bulk" if getattr(args, "bulk", False) else "streamed")  # bulk: every state fetched at once
   ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000),
                         plans.dp(offload=setting, offload_update=update, compute_dtype="bfloat16"), mesh)
@@ -185,8 +151,7 @@ def compiled_memory(args, ex, batch) -> dict:
   """`gpu_aot.memory` of `ex`'s step compiled for `--compile_only` (as on a GPU) or the device present, and
   `host_bytes_used`: the host memory the program needs (arguments, outputs not aliased to them, temporaries),
   or where the platform does not count host memory apart (CPUs) the offloaded states' (`memory_report`)."""
-  prog = (compile_as_on_gpu(ex, batch.shape, args.compile_only) if args.compile_only
-          else gpu_aot.compile_step(ex, batch.shape)[0])
+  prog = gpu_aot.compile_step(ex, batch.shape)[0]
   mem = gpu_aot.memory(prog)
   h = mem["host"]
   counted = h["argument"] + h["output"] - h["alias"] + h["temp"]
@@ -201,7 +166,7 @@ def moves(args) -> dict:
   for update in ["none"] + args.updates.split(","):
     ex, batch = fit_executor(args, args.layers, () if update == "none" else ("opt_state", "master"),
                              None if update == "none" else update)
-    prog = compile_as_on_gpu(ex, batch.shape, args.compile_only)
+    prog = gpu_aot.compile_step(ex, batch.shape)[0]
     moved = host_moves(prog.as_text())
     moved.pop("per_computation")
     rows[update] = {"memory": gpu_aot.memory(prog), **moved}

@@ -13,7 +13,6 @@ import functools
 import importlib.util
 import re
 import subprocess
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -160,54 +159,6 @@ def test_zeropp_train_step_with_pallas_compiles_triton_kernels_for_h100s(rotate,
 
 # --- jax-triton -----------------------------------------------------------------------------------
 
-def _ptx_of(stablehlo) -> list[bytes]:
-  """The PTX of every jax-triton kernel in a lowered module (zlib-compressed protos in the custom
-  calls' backend_config)."""
-  def fields(buf):  # length-delimited fields of a protobuf message, recursively
-    i = 0
-    while i < len(buf):
-      key, i = _varint(buf, i)
-      kind = key & 7
-      if kind == 0:
-        _, i = _varint(buf, i)
-      elif kind == 2:
-        n, i = _varint(buf, i)
-        yield buf[i:i + n]
-        if not buf[i:i + n].startswith(b"//"):
-          yield from fields(buf[i:i + n])
-        i += n
-      elif kind in (1, 5):
-        i += 8 if kind == 1 else 4
-      else:
-        return
-
-  out = []
-  for op in _walk(stablehlo.operation):
-    if op.name == "stablehlo.custom_call" and "triton_kernel_call" in str(op.attributes["call_target_name"]):
-      raw = zlib.decompress(op.attributes["backend_config"].value_bytes)
-      out += [f for f in fields(raw) if f.startswith(b"//") and b".version" in f]
-  return out
-
-
-def _varint(buf, i):
-  shift = value = 0
-  while True:
-    b = buf[i]
-    value |= (b & 0x7F) << shift
-    i += 1
-    shift += 7
-    if b < 0x80:
-      return value, i
-
-
-def _walk(op):
-  for region in op.regions:
-    for block in region.blocks:
-      for o in block.operations:
-        yield o
-        yield from _walk(o)
-
-
 @pytest.mark.gpu_compile
 @needs_jax_triton
 @pytest.mark.parametrize("target", ["h100", "a100"])
@@ -223,15 +174,15 @@ def test_triton_kernels_compile_for_gpus_without_one(target, monkeypatch, tmp_pa
   lowered = jax.jit(functools.partial(_program, backend="triton")).lower(x)
   hlo = lowered.compile().as_text()
   assert hlo.count(JAX_TRITON) == 12  # 6 kernels per bit width (the rotation inside them)
-  ptxs = _ptx_of(lowered.compiler_ir("stablehlo"))
+  ptxs = _kernel_ptx().jax_triton_ptx(lowered.compiler_ir("stablehlo"))
   assert len(ptxs) == 12
   arch = f"sm_{cc}" + ("a" if cc >= 90 else "")
   ptxas = triton_block_quant.runtime_ptxas()
   for i, ptx in enumerate(ptxs):
-    assert re.search(rb"^\.version 8\.\d+$", ptx, re.M), ptx[:200]
-    assert re.search(rb"^\.target " + arch.encode() + rb"$", ptx, re.M), ptx[:200]
+    assert re.search(r"^\.version 8\.\d+$", ptx, re.M), ptx[:200]
+    assert re.search(r"^\.target " + arch + r"$", ptx, re.M), ptx[:200]
     path = tmp_path / f"k{i}.ptx"
-    path.write_bytes(ptx)
+    path.write_text(ptx)
     run = subprocess.run([ptxas, f"-arch={arch}", str(path), "-o", str(tmp_path / f"k{i}.cubin")],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
@@ -373,8 +324,9 @@ def test_triton_estimates_have_no_division_per_element(bits, monkeypatch):
   from pallas_kernels import triton_block_quant
   monkeypatch.setenv(triton_block_quant.CC_ENV, "90")
   [x] = _on_one_gpu("h100", _est_x())
-  ptxs = _ptx_of(jax.jit(lambda x: _estimate_ops(x, bits, "triton")).lower(x).compiler_ir("stablehlo"))
-  mix = {f"{k}#{i}": c for i, p in enumerate(ptxs) for k, c in instruction_mix(p.decode()).items()}
+  ptxs = _kernel_ptx().jax_triton_ptx(
+      jax.jit(lambda x: _estimate_ops(x, bits, "triton")).lower(x).compiler_ir("stablehlo"))
+  mix = {f"{k}#{i}": c for i, p in enumerate(ptxs) for k, c in instruction_mix(p).items()}
   _assert_estimates_cost_a_product(mix, quantizing=4)
 
 
@@ -426,6 +378,7 @@ def test_mosaic_estimates_have_no_division_per_element():
 
 # --- one pass, wide accesses: the rotated and int4 Pallas and Triton kernels ---------------------
 
+@functools.cache
 def _kernel_ptx():
   import importlib.util
   import pathlib

@@ -82,9 +82,6 @@ def test_streamed_update_writes_the_donated_host_buffers_in_place(monkeypatch):
   """dp on one H100, the step traced with its inputs in host memory as a GPU's jax types them: XLA's host
   outputs are the donated host arguments (aliased, `memory_report`'s host bytes) and there is no host
   temporary; the stacked layers of the fallback (`offload.in_host_memory` false) are one in host memory."""
-  import importlib.util
-  import os
-
   import jax
 
   import zerojax
@@ -94,16 +91,12 @@ def test_streamed_update_writes_the_donated_host_buffers_in_place(monkeypatch):
   from zerojax.models.gpt import GPTConfig, gpt
   from zerojax.train.optim import make_optimizer
 
-  spec = importlib.util.spec_from_file_location("bench_offload", os.path.join(
-      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_offload.py"))
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
   cfg = GPTConfig(vocab_size=256, seq_len=32, d_model=128, num_heads=2, num_layers=6)
-  mesh = zerojax.make_mesh(1, 1, devices=jax.devices("cpu")[:1])
+  mesh = zerojax.make_mesh(1, 1, devices=gpu_aot.devices("h100", 1, 1))
 
   def host_memory():
     ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=10), plans.dp(offload=("opt_state", "master")), mesh)
-    return gpu_aot.memory(bench.compile_as_on_gpu(ex, (1, 1, 33)))["host"], ex
+    return gpu_aot.memory(gpu_aot.compile_step(ex, (1, 1, 33))[0])["host"], ex
   got, ex = host_memory()
   host = memory_report(ex)["expected"]["host"]
   assert got == {"argument": host, "output": host, "alias": host, "temp": 0}, (got, host)
@@ -158,28 +151,19 @@ def test_host_update_moves_only_gradients_down_and_16bit_parameters_up():
   """dp on one H100 compiled as on a GPU, the update on the host (`offload_update="host"`): per step the
   program moves the fp32 gradients down (4 bytes per parameter) and the bf16 parameters up (2), and none of the
   12 bytes per parameter of master weights and moments the streamed update fetches and stores."""
-  import importlib.util
-  import os
-
-  import jax
-
   import zerojax
   import zerojax.plan as plans
   from zerojax.analysis.host_moves import host_moves
   from zerojax.models.gpt import GPTConfig, gpt
   from zerojax.train.optim import make_optimizer
 
-  spec = importlib.util.spec_from_file_location("bench_offload", os.path.join(
-      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_offload.py"))
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
   cfg = GPTConfig(vocab_size=256, seq_len=32, d_model=128, num_heads=2, num_layers=4)
-  mesh = zerojax.make_mesh(1, 1, devices=jax.devices("cpu")[:1])
+  mesh = zerojax.make_mesh(1, 1, devices=gpu_aot.devices("h100", 1, 1))
   moved = {}
   for update in ("host", "streamed"):
     ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=10),
                           plans.dp(offload=("opt_state", "master"), offload_update=update, compute_dtype="bfloat16"), mesh)
-    moved[update] = host_moves(bench.compile_as_on_gpu(ex, (1, 1, 33)).as_text())
+    moved[update] = host_moves(gpu_aot.compile_step(ex, (1, 1, 33))[0].as_text())
   numel = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves)
   assert moved["host"]["device_to_host"] == 4 * numel and moved["host"]["host_to_device"] == 2 * numel, moved["host"]
   assert moved["streamed"]["device_to_host"] >= 12 * numel and moved["streamed"]["host_to_device"] >= 16 * numel
