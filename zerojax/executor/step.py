@@ -199,11 +199,13 @@ class Steps:
     # One optimizer per copy: each replica's norm, update and skip are its own.
     grad_norm = where.per_replica(optax.tree.norm)(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if offload.on_host or (offload.fields and offload.stream and not self.stateful):
-      # on the host the gradients go down and the states stay there; streamed, they pass the device chunk by chunk
-      params, opt_state = (offload_lib.host_update(where.per_replica(self.optimizer.update), where.keep, grads,
-                                                   host.opt_state, host.params, finite) if offload.on_host
-                           else self._streamed_update(host, grads, finite))
+    streamed = offload.fields and offload.stream and not self.stateful  # the states pass the device by chunks
+    if offload.on_host or streamed:
+      if offload.on_host:  # the gradients go down and the states stay on the host
+        params, opt_state = offload_lib.host_update(where.per_replica(self.optimizer.update), where.keep, grads,
+                                                    host.opt_state, host.params, finite)
+      else:
+        params, opt_state = self._streamed_update(host, grads, finite)
       new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                           skipped=state.skipped + (~finite).astype(jnp.int32),
                           mutable=keep(finite, mutable, state.mutable))
