@@ -137,7 +137,7 @@ def test_cli_compile_reports_the_offloaded_step_a_gpu_compiles(capsys):
   module = cpu.step_fn().trace(*gpu_aot.abstract_inputs(cpu, shape)).lower(lowering_platforms=("cuda",))
   gpu = next(iter(ex.mesh.devices.flat))
   options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=np.array([[gpu]]),
-                                         env_options_overrides=dict(gpu_aot.GPU_COMPILER_OPTIONS), backend=gpu.client)
+                                         env_options_overrides=ex.compiler_options(), backend=gpu.client)
   exe = compiler.backend_compile_and_load(gpu.client, module.compiler_ir("stablehlo"), xc.DeviceList((gpu,)),
                                           options, [])
   want = gpu_aot.memory(type("C", (), {"memory_analysis": lambda self: exe.get_compiled_memory_stats()})())
@@ -167,3 +167,34 @@ def test_host_update_moves_only_gradients_down_and_16bit_parameters_up():
   numel = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves)
   assert moved["host"]["device_to_host"] == 4 * numel and moved["host"]["host_to_device"] == 2 * numel, moved["host"]
   assert moved["streamed"]["device_to_host"] >= 12 * numel and moved["streamed"]["host_to_device"] >= 16 * numel
+
+
+def test_streamed_layers_move_both_directions_at_once(monkeypatch):
+  """dp on one H100 compiled as on a GPU, the streamed update over 6 layers: in the scan over the layers, every
+  fetch of layer i + 1 and store of layer i - 1 is in flight beside a move of the other direction (bytes, in
+  schedule order: `host_moves`' `overlapped`), and the peak holds three layers' states, not more. With XLA's
+  default of two async moves in flight (the user's XLA_FLAGS win over `Executor.compiler_options`), the stores
+  queue behind the fetches."""
+  import zerojax
+  import zerojax.plan as plans
+  from zerojax.analysis.host_moves import host_moves
+  from zerojax.models.gpt import GPTConfig, gpt
+  from zerojax.train.optim import make_optimizer
+
+  cfg = GPTConfig(vocab_size=256, seq_len=32, d_model=256, num_heads=2, num_layers=6)
+  mesh = zerojax.make_mesh(1, 1, devices=gpu_aot.devices("h100", 1, 1))
+  ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=10),
+                        plans.dp(offload=("opt_state", "master"), compute_dtype="bfloat16"), mesh)
+  assert ex.compiler_options()[gpu_aot.ASYNC_MOVES] == ex.placement.offload.moves(ex.shardings()) > 2
+
+  def layer_loop():
+    moved = host_moves(gpu_aot.compile_step(ex, (1, 1, 33))[0].as_text())
+    return next(c for c in moved["per_computation"].values() if c["executions"] == cfg.num_layers - 1)
+  loop = layer_loop()
+  assert loop["host_to_device"] == loop["device_to_host"] > 0, loop  # one layer's master and states each way
+  for d in ("host_to_device", "device_to_host"):
+    assert loop["overlapped"][d] >= 0.9 * loop[d], loop
+  monkeypatch.setenv("XLA_FLAGS", f"--{gpu_aot.ASYNC_MOVES}=2")
+  assert gpu_aot.ASYNC_MOVES not in ex.compiler_options()
+  serial = layer_loop()
+  assert serial["overlapped"]["device_to_host"] < 0.5 * serial["device_to_host"], serial

@@ -81,6 +81,12 @@ def test_the_users_xla_flags_win_over_zerojaxs_gpu_options(monkeypatch):
   env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=8 --{name}=1"}
   assert name not in gpu_aot.compiler_options(mesh, env=env)
   assert gpu_aot.options_report(mesh, env=env)["user"] == {name: "1"}
+  # with offloaded state: every move of its arrays may be in flight (`HostOffload.moves`), unless the user says
+  assert gpu_aot.compiler_options(mesh, env={}, host_moves=40)[gpu_aot.ASYNC_MOVES] == 40
+  assert gpu_aot.ASYNC_MOVES not in gpu_aot.compiler_options(mesh, env={}, host_moves=0)
+  env = {"XLA_FLAGS": f"--{gpu_aot.ASYNC_MOVES}=2"}
+  assert gpu_aot.ASYNC_MOVES not in gpu_aot.compiler_options(mesh, env=env, host_moves=40)
+  assert gpu_aot.options_report(mesh, env=env)["user"] == {gpu_aot.ASYNC_MOVES: "2"}
 
 
 def test_the_trainer_reports_its_choice(tmp_path):

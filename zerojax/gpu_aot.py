@@ -40,6 +40,13 @@ PIP = "pip install -e '.[gpu-aot]'"
 # of them runs with nothing beside it; two in flight let both overlap the layer's compute
 # (`zerojax.analysis.schedule`, tests/test_gpu_compile.py).
 GPU_COMPILER_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+# XLA:GPU runs each move between host and device memory inside a loop (a dynamic slice of a host array into
+# device memory, a `dynamic_update_slice` of a device array into a host one) as an async computation, and
+# its scheduler keeps two of those in flight by default. A step with offloaded state moves each array of a
+# chunk both ways (`zerojax.engine.offload.stream_layers`): with two in flight, a layer's 3 x (its arrays)
+# fetches ran one after another and its stores after them, the link's two directions never at once. The
+# limit is raised to every move of the offloaded state's arrays (`compiler_options`' `host_moves`).
+ASYNC_MOVES = "xla_gpu_experimental_parallel_async_compute_limit"
 
 
 class PluginMissing(RuntimeError):
@@ -134,21 +141,24 @@ def user_xla_flags(env=None) -> dict:
   return out
 
 
-def compiler_options(mesh_, env=None) -> dict:
-  """The XLA options the executor compiles with on `mesh_`: `GPU_COMPILER_OPTIONS` on GPUs, less any the
-  user set in `XLA_FLAGS` (theirs wins: `options_report`); none elsewhere."""
+def compiler_options(mesh_, env=None, host_moves: int = 0) -> dict:
+  """The XLA options the executor compiles with on `mesh_`: `GPU_COMPILER_OPTIONS` on GPUs, and where the step
+  moves `host_moves` > 2 arrays between host and device memory (offloaded state) `ASYNC_MOVES` at that many,
+  less any the user set in `XLA_FLAGS` (theirs wins: `options_report`); none elsewhere."""
   if not is_gpu(mesh_):
     return {}
   user = user_xla_flags(env)
-  return {k: v for k, v in GPU_COMPILER_OPTIONS.items() if k not in user}
+  ours = {**GPU_COMPILER_OPTIONS, **({ASYNC_MOVES: host_moves} if host_moves > 2 else {})}
+  return {k: v for k, v in ours.items() if k not in user}
 
 
-def options_report(mesh_, env=None) -> dict:
+def options_report(mesh_, env=None, host_moves: int = 0) -> dict:
   """What the step compiles with on `mesh_`: `{"applied": zerojax's options, "user": the user's XLA_FLAGS
   settings of the same options, which win}`."""
   user = user_xla_flags(env)
-  return {"applied": compiler_options(mesh_, env),
-          "user": {k: user[k] for k in GPU_COMPILER_OPTIONS if k in user} if is_gpu(mesh_) else {}}
+  names = [*GPU_COMPILER_OPTIONS, ASYNC_MOVES]
+  return {"applied": compiler_options(mesh_, env, host_moves),
+          "user": {k: user[k] for k in names if k in user} if is_gpu(mesh_) else {}}
 
 
 def device_memory(mesh_, env=None) -> int | None:
@@ -222,7 +232,7 @@ def compile_as_on_gpu(ex, batch_shape, phase: str | None = None):
   memory: the same executor on as many CPU devices (`Executor.on_devices`, built `as_gpu`: the GPU's
   prefetch and kernels) traces the step with its inputs' memory kinds; it is lowered for CUDA (cuDNN's
   attention, the kernels' Triton lowering) and compiled with the GPUs' client, each CPU device standing for
-  the GPU at its place in the mesh, with the options a GPU run uses (`compiler_options`). Returns an object
+  the GPU at its place in the mesh, with the options a GPU run uses (`Executor.compiler_options`). Returns an object
   with `as_text()` and `memory_analysis()`, as a jax `Compiled` has."""
   from jax._src import compiler  # the lowered module compiled for devices jax does not trace on
   from jax._src.lib import xla_client as xc
@@ -236,7 +246,7 @@ def compile_as_on_gpu(ex, batch_shape, phase: str | None = None):
   client = gpus[0].client
   options = compiler.get_compile_options(num_replicas=1, num_partitions=len(gpus),
                                          device_assignment=np.array(gpus).reshape(1, len(gpus)),
-                                         env_options_overrides=compiler_options(ex.mesh), backend=client)
+                                         env_options_overrides=ex.compiler_options(), backend=client)
   return _Compiled(compiler.backend_compile_and_load(client, module, xc.DeviceList(tuple(gpus)), options, []))
 
 

@@ -78,7 +78,8 @@ def _moves_of(mod: Module, comp: str) -> list[dict]:
 def host_moves(hlo_text: str) -> dict:
   """Per run of the program: `host_to_device` and `device_to_host` bytes, the moves of each direction, and
   `overlapping_pairs` (pairs of opposite moves whose spans intersect, counted per execution of their
-  computation), with `per_computation` detail for the computations that move anything."""
+  computation), `overlapped` (per direction, the bytes of the moves in flight beside at least one move of the
+  other direction), with `per_computation` detail for the computations that move anything."""
   mod = Module(hlo_text)
   kernels = set()
   for instrs in mod.comps.values():
@@ -87,7 +88,8 @@ def host_moves(hlo_text: str) -> dict:
         kernels.update(re.findall(r"%?([^\s{},%]+)", (re.search(r"calls=([^,]*(?:\{[^}]*\})?)", i.attrs) or
                                                     re.search(r"()", "")).group(1)))
   total = {"host_to_device": 0.0, "device_to_host": 0.0, "moves": {"host_to_device": 0, "device_to_host": 0},
-           "overlapping_pairs": 0, "per_computation": {}}
+           "overlapping_pairs": 0, "overlapped": {"host_to_device": 0.0, "device_to_host": 0.0},
+           "per_computation": {}}
   for comp in mod.comps:
     if comp in kernels:
       continue
@@ -97,12 +99,18 @@ def host_moves(hlo_text: str) -> dict:
     n = mod.count(comp)
     up = [m for m in moves if m["direction"] == "host_to_device"]
     down = [m for m in moves if m["direction"] == "device_to_host"]
-    pairs = sum(1 for a in up for b in down if a["start"] <= b["end"] and b["start"] <= a["end"])
+    meets = lambda a, b: a["start"] <= b["end"] and b["start"] <= a["end"]
+    pairs = sum(1 for a in up for b in down if meets(a, b))
+    beside = {"host_to_device": sum(a["bytes"] for a in up if any(meets(a, b) for b in down)),
+              "device_to_host": sum(b["bytes"] for b in down if any(meets(a, b) for a in up))}
     for m in moves:
       total[m["direction"]] += n * m["bytes"]
       total["moves"][m["direction"]] += n
     total["overlapping_pairs"] += n * pairs
+    for d, b in beside.items():
+      total["overlapped"][d] += n * b
     total["per_computation"][comp] = {"executions": n, "host_to_device": sum(m["bytes"] for m in up),
                                       "device_to_host": sum(m["bytes"] for m in down),
-                                      "moves": [len(up), len(down)], "overlapping_pairs": pairs}
+                                      "moves": [len(up), len(down)], "overlapping_pairs": pairs,
+                                      "overlapped": beside}
   return total

@@ -48,7 +48,7 @@ def report(ex, compiled, seconds: float) -> dict:
   return {
       "plan": ex.plan.name, "prefetch": ex.components.prefetch, "device_kind": next(iter(devices)).device_kind,
       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "compile_s": seconds,
-      "compiler_options": gpu_aot.compiler_options(ex.mesh),
+      "compiler_options": ex.compiler_options(),
       "compiler_options_user": gpu_aot.options_report(ex.mesh)["user"],
       "remat": ex.remat_choice or {"remat": ex.components.remat, "why": "set by the plan"},
       "collectives": [s.to_json() for s in scheduled],

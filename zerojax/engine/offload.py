@@ -77,6 +77,14 @@ class HostOffload:
   def host(self, field: str) -> bool:
     return field in self.fields
 
+  def moves(self, state) -> int:
+    """The moves between host and device memory of one chunk's update at most: each array of the offloaded
+    fields of `state` (a `TrainState` of arrays, shapes or shardings) fetched and stored, 0 with the update on
+    the host (nothing of the states moves). `gpu_aot.compiler_options` lets XLA keep that many in flight."""
+    if self.on_host:
+      return 0
+    return 2 * sum(len(jax.tree.leaves(getattr(state, f))) for f in self.fields)
+
   def forward_params(self, master, dtype):
     """Inside the jitted step: the master weights the forward reads (step 0 rounds them to `dtype`). With the
     update on the host they are rounded there, so the 16-bit copy crosses the link, not the fp32 one
@@ -308,33 +316,64 @@ def in_host_memory(tree) -> bool:
 
 
 def stream_layers(offload: HostOffload, chunk, grads, hp, hs):
-  """`chunk(grads, params, states)` over the layers of a scanned unit: a `lax.scan` whose step i fetches
-  layer i + 1's master weights `hp` and states `hs` (clamped: the last step fetches the last layer again),
-  updates layer i (fetched by the step before) and stores it. -> (new master, new states, the scalar states
-  of the first layer's update).
+  """`chunk(grads, params, states)` over the layers of a scanned unit, each layer's master weights `hp` and
+  states `hs` fetched to the device and stored back to host memory. -> (new master, new states, the scalar
+  states of the first layer's update).
+
+  Layer 0 is updated before a `lax.scan` over the others, whose step i fetches layer i + 1 (clamped: the last
+  step fetches the last layer again), updates layer i (fetched by the step before) and stores layer i - 1
+  (updated by the step before); the last layer is stored after the scan. The three depend on nothing of each
+  other, so the two directions of the host link and the device's update can run at once (Megatron-Core's
+  chunked offloader; docs/offload.md, "The two directions of the host link at once"), with three layers'
+  states on the device.
 
   The stored layer is written into the host arrays themselves (`dynamic_update_slice` into the scan's carry),
-  so the donated host buffers are updated in place and the states are in host memory once. Where the trace
-  types the host arrays as device memory (`in_host_memory`: compile-only GPUs of jax 0.10.2), the stored
-  layers stack in a new host array instead, and the states are in host memory twice during the step."""
-  n = jax.tree.leaves(grads)[0].shape[0]
-  take = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), tree)
-  get = lambda hp, hs, i: (offload.fetch("params", take(hp, i)), offload.fetch("opt_state", take(hs, i)))
-  put = lambda tree, new, i: jax.tree.map(lambda x, y: lax.dynamic_update_index_in_dim(x, y, i, 0), tree, new)
+  so the donated host buffers are updated in place and the states are in host memory once. Each array's read
+  of layer i + 1 comes before its write of layer i - 1 (a `lax.optimization_barrier` per array: without it
+  XLA copies the whole host array to keep the read correct; one barrier over all the arrays would make every
+  fetch wait for every store). Where the trace types the host arrays as device memory (`in_host_memory`:
+  compile-only GPUs of jax 0.10.2), the stored layers stack in a new host array instead (`stack_layers`)."""
   in_place = all(in_host_memory(t) for f, t in (("params", hp), ("opt_state", hs)) if offload.host(f))
+  if not in_place:
+    return stack_layers(offload, chunk, grads, hp, hs)
+  n = jax.tree.leaves(grads)[0].shape[0]
+  get = lambda host, i: _fetch_layer(offload, host, jnp.minimum(i, n - 1))
+  at = lambda i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), grads)
 
-  def body(carry, xs):
-    hp_c, hs_c, cur = carry if in_place else (hp, hs, carry)
+  def write(host, new, i):
+    """`new` (a layer's master and states, on the device) into the host arrays `host` at layer i."""
+    new = (offload.store("params", new[0]), offload.store("opt_state", new[1]))
+    return jax.tree.map(lambda h, x: lax.dynamic_update_index_in_dim(h, x, i, 0), host, new)
+
+  def body(carry, i):
+    host, cur, prev = carry
+    nxt = get(host, i + 1)
+    pairs = jax.tree.map(lambda a, b: lax.optimization_barrier((a, b)), nxt, host)
+    nxt, host = (jax.tree.map(lambda _, ab, k=k: ab[k], nxt, pairs) for k in (0, 1))
+    p_new, s_new, _ = chunk(at(i), *cur)
+    return (write(host, prev, i - 1), nxt, (p_new, s_new)), None
+  p0, s0, scalars = chunk(at(0), *get((hp, hs), 0))
+  (host, _, last), _ = lax.scan(body, ((hp, hs), get((hp, hs), 1), (p0, s0)), jnp.arange(1, n))
+  return (*write(host, last, n - 1), scalars)
+
+
+def _fetch_layer(offload: HostOffload, host, i):
+  """Layer i of the host arrays `host` (master weights, states), on the device."""
+  take = lambda tree: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), tree)
+  return offload.fetch("params", take(host[0])), offload.fetch("opt_state", take(host[1]))
+
+
+def stack_layers(offload: HostOffload, chunk, grads, hp, hs):
+  """`stream_layers` where the host arrays are typed as device memory: a `lax.scan` whose step i fetches layer
+  i + 1, updates layer i and stores it; the stored layers stack in a new host array (the states are in host
+  memory twice during the step)."""
+  n = jax.tree.leaves(grads)[0].shape[0]
+  one = lambda t: jax.tree.map(lambda x: x[0], t)
+
+  def body(cur, xs):
     i, g = xs
-    nxt = get(hp_c, hs_c, jnp.minimum(i + 1, n - 1))
+    nxt = _fetch_layer(offload, (hp, hs), jnp.minimum(i + 1, n - 1))
     p_new, s_new, sc = chunk(jax.tree.map(lambda x: x[None], g), *cur)
-    p_new, s_new = offload.store("params", p_new), offload.store("opt_state", s_new)
-    if in_place:  # layer i + 1 is read before layer i is written: else XLA copies the whole host array
-      nxt, hp_c, hs_c = lax.optimization_barrier((nxt, hp_c, hs_c))
-      return (put(hp_c, p_new, i), put(hs_c, s_new, i), nxt), sc
-    one = lambda t: jax.tree.map(lambda x: x[0], t)
-    return nxt, (one(p_new), one(s_new), sc)
-  first = get(hp, hs, 0)
-  carry, ys = lax.scan(body, (hp, hs, first) if in_place else first, (jnp.arange(n), grads))
-  p_new, s_new, sc = (carry[0], carry[1], ys) if in_place else ys
+    return nxt, (one(offload.store("params", p_new)), one(offload.store("opt_state", s_new)), sc)
+  _, (p_new, s_new, sc) = lax.scan(body, _fetch_layer(offload, (hp, hs), 0), (jnp.arange(n), grads))
   return p_new, s_new, [x[0] for x in sc]

@@ -164,6 +164,10 @@ class Executor:
     """The jitted `(state, batch) -> (state, StepMetrics)`, donating the state (`Steps.step_fn`)."""
     return self.steps.step_fn(state_shardings or self.shardings())
 
+  def compiler_options(self) -> dict:
+    """The XLA options the step compiles with (`Steps.compiler_options`)."""
+    return self.steps.compiler_options(self.shardings())
+
   def eval_fn(self):
     """Jitted `(params, batch, mutable=None)` -> mean loss, forward only (`Steps.eval_fn`)."""
     return self.steps.eval_fn()

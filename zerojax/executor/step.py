@@ -280,6 +280,11 @@ class Steps:
       stored.append((p_new, s_new))
     return new_params, jax.tree.unflatten(treedef, new_leaves)
 
+  def compiler_options(self, state_shardings: TrainState) -> dict:
+    """The XLA options the step compiles with (`gpu_aot.compiler_options`): on GPUs, with offloaded state,
+    every move of an offloaded array in flight at once if the schedule wants (`HostOffload.moves`)."""
+    return gpu_aot.compiler_options(self.mesh, host_moves=self.placement.offload.moves(state_shardings))
+
   def step_fn(self, state_shardings: TrainState):
     """The jitted `(state, batch) -> (state, StepMetrics)`; donates state.
 
@@ -299,7 +304,7 @@ class Steps:
           programs[phase] = jax.jit(functools.partial(self._train_step, phase=phase),
                                     in_shardings=(sh, self.batch_sharding),
                                     out_shardings=(sh, metrics), donate_argnums=0,
-                                    compiler_options=gpu_aot.compiler_options(self.mesh) or None)
+                                    compiler_options=self.compiler_options(sh) or None)
         return programs[phase]
 
       def step(state, batch):
