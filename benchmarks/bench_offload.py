@@ -31,7 +31,9 @@
       device peak, and per step the bytes moved host->device and device->host and the pairs of opposite moves
       in flight at once (`zerojax.analysis.host_moves`).
   `--updates` (cost mode too, default "streamed"): where the offloaded update runs (`Sharding.offload_update`);
-  "host" is timed with both fields offloaded only (it needs them).
+  "host" is timed with both fields offloaded only (it needs them); "streamed_serial" is "streamed" compiled with
+  XLA's default of two moves between host and device in flight (`gpu_aot.ASYNC_MOVES`), the schedule in which
+  a layer's fetches and stores queue one behind another.
 
 Prints one JSON object; `--out` also writes it.
 
@@ -39,6 +41,7 @@ References:
   ZeRO-Offload: Ren et al. 2021, §4 (what moves to the host), §6 (model sizes one GPU trains with it).
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -64,6 +67,25 @@ SETTINGS = ((), ("opt_state",), ("opt_state", "master"))
 STATE_BYTES = 18  # per parameter: bf16 weights 2, fp32 gradients 4, master 4, AdamW's moments 8
 
 
+SERIAL = "streamed_serial"  # `--updates`: "streamed" compiled with XLA's default of two async moves in flight
+
+
+@contextlib.contextmanager
+def moves_in_flight(update: str):
+  """For `SERIAL`: the user's XLA_FLAGS setting XLA's default of two async moves in flight, which wins over
+  `Executor.compiler_options` (the fetches and stores of a layer then queue one behind another: the schedule
+  before the offloaded step raised it)."""
+  if update != SERIAL:
+    yield "streamed" if update == "none" else update
+    return
+  old = os.environ.get("XLA_FLAGS")
+  os.environ["XLA_FLAGS"] = f"{old or ''} --{gpu_aot.ASYNC_MOVES}=2"
+  try:
+    yield "streamed"
+  finally:
+    os.environ.pop("XLA_FLAGS") if old is None else os.environ.update(XLA_FLAGS=old)
+
+
 def system(plan, cfg, mesh, batches):
   """(executor, compiled step, state) of `plan` on `mesh`, compiled ahead of time."""
   ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=1000), plan, mesh)
@@ -85,11 +107,12 @@ def cost(args) -> dict:
   updates = args.updates.split(",")
   for name in args.plans.split(","):
     for off, update in [((), "streamed")] + [(o, u) for o in SETTINGS[1:] for u in updates
-                                             if u != "host" or o == SETTINGS[-1]]:
+                                             if u not in ("host", SERIAL) or o == SETTINGS[-1]]:
       key = f"{name} offload={','.join(off) or 'none'}" + (f" update={update}" if off and len(updates) > 1 else "")
       try:
-        plan = getattr(plans, name)(offload=off, offload_update=update, compute_dtype=args.dtype)
-        ex, compiled, state = system(plan, cfg, mesh, batches)
+        with moves_in_flight(update) as where:
+          plan = getattr(plans, name)(offload=off, offload_update=where, compute_dtype=args.dtype)
+          ex, compiled, state = system(plan, cfg, mesh, batches)
         shards = [ex.shard_batch(b) for b in batches]
         state, m = compiled(state, shards[0])  # first step: warm
         systems[key] = {"compiled": compiled, "state": state, "shards": shards, "plan": name, "off": off}
@@ -164,9 +187,9 @@ def moves(args) -> dict:
   from zerojax.analysis.host_moves import host_moves
   rows = {}
   for update in ["none"] + args.updates.split(","):
-    ex, batch = fit_executor(args, args.layers, () if update == "none" else ("opt_state", "master"),
-                             None if update == "none" else update)
-    prog = gpu_aot.compile_step(ex, batch.shape)[0]
+    with moves_in_flight(update) as where:
+      ex, batch = fit_executor(args, args.layers, () if update == "none" else ("opt_state", "master"), where)
+      prog = gpu_aot.compile_step(ex, batch.shape)[0]
     moved = host_moves(prog.as_text())
     moved.pop("per_computation")
     rows[update] = {"memory": gpu_aot.memory(prog), **moved}

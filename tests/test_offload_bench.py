@@ -52,13 +52,22 @@ def test_fit_runs_each_try_in_its_own_process_and_reports_the_host_limit(tmp_pat
   assert result["largest"]["host_bytes_needed"] <= 0.85 * 1.25e8
 
 
-def test_cost_mode_times_the_update_on_the_host_beside_the_streamed_one():
-  """`--updates streamed,host` on the test's 8 CPU devices at a tiny size: each offloaded setting gets a row per
-  update ("host" only with both fields), each with the losses of the plan without offload."""
+def test_cost_mode_times_the_update_on_the_host_beside_the_streamed_one(monkeypatch):
+  """`--updates streamed,streamed_serial,host` on the test's 8 CPU devices at a tiny size: each offloaded setting
+  gets a row per update ("host" and "streamed_serial" only with both fields), each with the losses of the plan
+  without offload; the serial row is compiled with the user's XLA_FLAGS at XLA's default of two moves in flight,
+  and the flags are as they were afterwards."""
   bench = load()
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  seen = []
+  system = bench.system
+  monkeypatch.setattr(bench, "system", lambda *a: seen.append(os.environ["XLA_FLAGS"]) or system(*a))
   rows = bench.main(["--plans", "dp", "--d_model", "32", "--layers", "1", "--seq", "16", "--steps", "2", "--reps",
-                     "2", "--updates", "streamed,host"])["rows"]
+                     "2", "--updates", "streamed,streamed_serial,host"])["rows"]
   assert list(rows) == ["dp offload=none", "dp offload=opt_state update=streamed",
-                        "dp offload=opt_state,master update=streamed", "dp offload=opt_state,master update=host"]
+                        "dp offload=opt_state,master update=streamed",
+                        "dp offload=opt_state,master update=streamed_serial", "dp offload=opt_state,master update=host"]
+  assert [f"--{bench.gpu_aot.ASYNC_MOVES}=2" in f for f in seen] == [False, False, False, True, False], seen
+  assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
   assert rows["dp offload=opt_state,master update=host"]["update"] == "host"
   assert all(r["losses_equal"] is True for k, r in rows.items() if k != "dp offload=none"), rows

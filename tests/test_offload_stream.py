@@ -16,6 +16,7 @@ import zerojax.plan as plans
 from tests import flax_models as fm
 from tests import helpers
 from zerojax.engine import offload
+from zerojax.models.gpt import gpt
 
 BOTH = ("opt_state", "master")
 
@@ -56,6 +57,18 @@ def test_dp_streamed_offload_trains_bitwise_what_the_device_trains(off):
   mesh = zerojax.make_mesh(2, 4)
   _, ref, _, ref_losses = helpers.run(plans.dp(), mesh, helpers.optimizer())
   _, state, _, losses = helpers.run(plans.dp(offload=off), mesh, helpers.optimizer())
+  assert losses == ref_losses
+  assert same(state, ref)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_streamed_layers_of_any_count_train_bitwise_what_the_device_trains(layers):
+  """The scan over a unit's layers peels its first and last (`offload.stream_layers`): one layer, and three (one
+  step of the scan), as the two of `test_dp_streamed_offload_trains_bitwise_what_the_device_trains`."""
+  mesh = zerojax.make_mesh(1, 2, devices=jax.devices()[:2])
+  model = gpt(dataclasses.replace(helpers.TINY, num_layers=layers))
+  _, ref, _, ref_losses = helpers.run(plans.dp(), mesh, helpers.optimizer(), model=model, steps=2)
+  _, state, _, losses = helpers.run(plans.dp(offload=BOTH), mesh, helpers.optimizer(), model=model, steps=2)
   assert losses == ref_losses
   assert same(state, ref)
 

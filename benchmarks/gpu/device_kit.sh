@@ -29,7 +29,8 @@
 #                                          auto's choice (~45 s); 5 x 3 x 8 steps at ~0.1 s (~15 s); start ~15 s.
 #   offload_cost     80 s   40  120    0   bench_offload.py cost mode: dp, d_model 2048, 8 layers, seq 1,024, bf16,
 #                                          1 x 1, offload none / opt_state (bulk, streamed) / opt_state+master
-#                                          (bulk, streamed, host), 5 steps x 3 reps interleaved -> offload_cost.json.
+#                                          (bulk, streamed, streamed_serial, host), 5 steps x 3 reps
+#                                          interleaved -> offload_cost.json.
 #                                          6 compiled systems ~8 s each; 3 x 5 steps of ~1.1 s for all six.
 #   kernels         220 s   60  240   95   bench_kernels.py --sizes 256M --tuning 1 --no_fusion, backends
 #                                          $KBACKENDS (default pallas) -> kernels.json; the winners -> kernel_tuning.json.
@@ -163,8 +164,8 @@ want step && part step env XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 "$PY" benchmarks/
   --plans dp,zero3,zeropp,mics --remat auto --attention auto --out "$OUT/step.json" $TINY_STEP
 # 2. issue 44: offload's step-time cost per update (streamed <= 145 ms; bulk was 249 ms)
 want offload_cost && part offload_cost "$PY" benchmarks/bench_offload.py --plans dp --nodes 1 --d_model 2048 \
-  --layers 8 --seq 1024 --batch_per_device 4 --dtype bfloat16 --updates bulk,streamed,host --steps 5 --reps 3 \
-  --out "$OUT/offload_cost.json" $TINY_OFFLOAD
+  --layers 8 --seq 1024 --batch_per_device 4 --dtype bfloat16 --updates bulk,streamed,streamed_serial,host \
+  --steps 5 --reps 3 --out "$OUT/offload_cost.json" $TINY_OFFLOAD
 # 3. issue 46: GB/s at 256M elements with tuned launch configurations; the winners stay in the cache
 want kernels && part kernels "$PY" benchmarks/bench_kernels.py --sizes 256M --backends "$KBACKENDS" --tuning 1 \
   --no_fusion --out "$OUT/kernels.json" $TINY_KERNELS

@@ -320,9 +320,9 @@ def stream_layers(offload: HostOffload, chunk, grads, hp, hs):
   states `hs` fetched to the device and stored back to host memory. -> (new master, new states, the scalar
   states of the first layer's update).
 
-  Layer 0 is updated before a `lax.scan` over the others, whose step i fetches layer i + 1 (clamped: the last
-  step fetches the last layer again), updates layer i (fetched by the step before) and stores layer i - 1
-  (updated by the step before); the last layer is stored after the scan. The three depend on nothing of each
+  Layer 0 is updated before a `lax.scan` over the layers between the first and the last, whose step i fetches
+  layer i + 1, updates layer i (fetched by the step before) and stores layer i - 1 (updated by the step
+  before); the last layer is updated and stored after the scan. The three depend on nothing of each
   other, so the two directions of the host link and the device's update can run at once (Megatron-Core's
   chunked offloader; docs/offload.md, "The two directions of the host link at once"), with three layers'
   states on the device.
@@ -337,7 +337,7 @@ def stream_layers(offload: HostOffload, chunk, grads, hp, hs):
   if not in_place:
     return stack_layers(offload, chunk, grads, hp, hs)
   n = jax.tree.leaves(grads)[0].shape[0]
-  get = lambda host, i: _fetch_layer(offload, host, jnp.minimum(i, n - 1))
+  get = lambda host, i: _fetch_layer(offload, host, i)
   at = lambda i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), grads)
 
   def write(host, new, i):
@@ -353,8 +353,11 @@ def stream_layers(offload: HostOffload, chunk, grads, hp, hs):
     p_new, s_new, _ = chunk(at(i), *cur)
     return (write(host, prev, i - 1), nxt, (p_new, s_new)), None
   p0, s0, scalars = chunk(at(0), *get((hp, hs), 0))
-  (host, _, last), _ = lax.scan(body, ((hp, hs), get((hp, hs), 1), (p0, s0)), jnp.arange(1, n))
-  return (*write(host, last, n - 1), scalars)
+  if n == 1:
+    return (*write((hp, hs), (p0, s0), 0), scalars)
+  (host, cur, prev), _ = lax.scan(body, ((hp, hs), get((hp, hs), 1), (p0, s0)), jnp.arange(1, n - 1))
+  p_last, s_last, _ = chunk(at(n - 1), *cur)
+  return (*write(write(host, prev, n - 2), (p_last, s_last), n - 1), scalars)
 
 
 def _fetch_layer(offload: HostOffload, host, i):
