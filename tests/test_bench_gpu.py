@@ -242,7 +242,7 @@ def test_device_kit_command_lines_are_accepted_by_their_benchmarks(dry, tmp_path
       assert (ns.plans, ns.remat) == ("zero3", "full,dots,none,offloaded")
     if name == "offload_cost":
       assert (ns.plans, ns.nodes, ns.d_model, ns.layers, ns.dtype) == ("dp", 1, 2048, 8, "bfloat16")
-      assert set(ns.updates.split(",")) == {"bulk", "streamed", "host"}
+      assert set(ns.updates.split(",")) == {"bulk", "streamed", "streamed_serial", "host"}
     if name == "kernels":
       assert (mod.parse_size(ns.sizes), ns.tuning) == (256 << 20, "1")
     if name == "offload_fit":

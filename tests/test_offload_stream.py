@@ -63,7 +63,7 @@ def test_dp_streamed_offload_trains_bitwise_what_the_device_trains(off):
 
 @pytest.mark.parametrize("layers", [1, 3])
 def test_streamed_layers_of_any_count_train_bitwise_what_the_device_trains(layers):
-  """The scan over a unit's layers peels its first and last (`offload.stream_layers`): one layer, and three (one
+  """The scan over a unit's layers peels its first and last (`offload_stream.stream_layers`): one layer, and three (one
   step of the scan), as the two of `test_dp_streamed_offload_trains_bitwise_what_the_device_trains`."""
   mesh = zerojax.make_mesh(1, 2, devices=jax.devices()[:2])
   model = gpt(dataclasses.replace(helpers.TINY, num_layers=layers))
@@ -71,6 +71,24 @@ def test_streamed_layers_of_any_count_train_bitwise_what_the_device_trains(layer
   _, state, _, losses = helpers.run(plans.dp(offload=BOTH), mesh, helpers.optimizer(), model=model, steps=2)
   assert losses == ref_losses
   assert same(state, ref)
+
+
+@pytest.mark.parametrize("plan", ["dp", "zero3", "mics"])
+def test_16bit_forward_weights_kept_on_the_device_train_bitwise_what_the_device_trains(plan):
+  """bf16 compute, both fields offloaded: the train state keeps the master weights' bf16 rounding on the device
+  (`TrainState.forward`), the step's forward reads it instead of fetching the fp32 master weights, and the
+  update writes the new rounding. Losses and state are bitwise those without offload (the AdamW of
+  `helpers.optimizer` clips by the global norm); the kept rounding is the master weights' after every step."""
+  mesh = zerojax.make_mesh(2, 4)
+  make = getattr(plans, plan)
+  ex0, ref, _, ref_losses = helpers.run(make(compute_dtype="bfloat16"), mesh, helpers.optimizer())
+  ex, state, _, losses = helpers.run(make(offload=BOTH, compute_dtype="bfloat16"), mesh, helpers.optimizer())
+  assert ex.placement.offload.forward == jnp.bfloat16 and ex0.placement.offload.forward is None
+  assert ref.forward is None and state.forward is not None
+  assert losses == ref_losses
+  assert same(state.replace(forward=None), ref)
+  assert same(state.forward, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state.params))
+  assert all(x.sharding.memory_kind != "pinned_host" for x in jax.tree.leaves(state.forward))
 
 
 def test_flax_model_streamed_offload_trains_bitwise_what_the_device_trains():
@@ -89,3 +107,30 @@ def test_flax_model_streamed_offload_trains_bitwise_what_the_device_trains():
     out[off] = state, losses
   assert out[BOTH][1] == out[()][1]
   assert same(out[BOTH][0], out[()][0])
+
+
+def test_the_kept_16bit_forward_weights_are_rebuilt_on_restore(tmp_path):
+  """A checkpoint stores no `TrainState.forward` (it is derived): zero3 with both fields offloaded in bf16,
+  saved after 3 steps and restored on another mesh, rebuilds the rounding from the master weights, and trains
+  on as the run that never stopped; a checkpoint of the plan without offload restores into it the same way."""
+  from zerojax.train.checkpoint import Checkpointer
+
+  plan = plans.zero3(offload=BOTH, compute_dtype="bfloat16")
+  ex, state, _, _ = helpers.run(plan, zerojax.make_mesh(2, 4), helpers.optimizer())
+  with Checkpointer(str(tmp_path / "a")) as c:
+    c.save(ex, state)
+  other = zerojax.Executor(helpers.tiny_gpt(), helpers.optimizer(), plan, zerojax.make_mesh(1, 8), accum_steps=2)
+  with Checkpointer(str(tmp_path / "a"), read_only=True) as c:
+    back, _ = c.restore(other)
+  assert same(back.forward, jax.tree.map(lambda x: x.astype(jnp.bfloat16), back.params))
+  b = helpers.batches(1, 2, seed=7)[0]
+  _, m1 = other.step_fn()(back, b)
+  _, m2 = ex.step_fn()(state, b)
+  assert float(m1.loss) == float(m2.loss)
+  plain_ex, plain, _, _ = helpers.run(plans.zero3(compute_dtype="bfloat16"), zerojax.make_mesh(2, 4),
+                                      helpers.optimizer())
+  with Checkpointer(str(tmp_path / "b")) as c:
+    c.save(plain_ex, plain)
+  with Checkpointer(str(tmp_path / "b"), read_only=True) as c:
+    into, _ = c.restore(other)
+  assert same(into.forward, jax.tree.map(lambda x: x.astype(jnp.bfloat16), plain.params))

@@ -43,7 +43,7 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_experimental_parallel_collective_overlap_limit"
 # XLA:GPU runs each move between host and device memory inside a loop (a dynamic slice of a host array into
 # device memory, a `dynamic_update_slice` of a device array into a host one) as an async computation, and
 # its scheduler keeps two of those in flight by default. A step with offloaded state moves each array of a
-# chunk both ways (`zerojax.engine.offload.stream_layers`): with two in flight, a layer's 3 x (its arrays)
+# chunk both ways (`zerojax.engine.offload_stream.stream_layers`): with two in flight, a layer's 3 x (its arrays)
 # fetches ran one after another and its stores after them, the link's two directions never at once. The
 # limit is raised to every move of the offloaded state's arrays (`compiler_options`' `host_moves`).
 ASYNC_MOVES = "xla_gpu_experimental_parallel_async_compute_limit"

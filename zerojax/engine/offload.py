@@ -51,9 +51,13 @@ class HostOffload:
       "bulk" (every state fetched at once after the backward, as a plan with a stateful component does: the
       before of docs/offload.md, which `benchmarks/bench_offload.py --fit_probe --bulk` measures) or "host"
       (on the host, `host_update`).
+    forward: the 16-bit dtype of the master weights' rounding the train state keeps on the device between
+      steps for the forward (`TrainState.forward`, `keeping_forward`), or None. The streamed update rounds
+      each chunk's new master weights on the device: 4 bytes per parameter less host->device per step.
   """
   fields: tuple[str, ...] = ()
   update: str = "streamed"
+  forward: object = None
 
   @classmethod
   def of(cls, plan, mesh: Mesh) -> "HostOffload":
@@ -77,18 +81,34 @@ class HostOffload:
   def host(self, field: str) -> bool:
     return field in self.fields
 
+  def keeping_forward(self, dtype, stateful: bool) -> "HostOffload":
+    """This offload, keeping the forward's `dtype` rounding of offloaded master weights on the device
+    (`forward`) where the update is streamed, no stateful component reads the step's updates (the update is
+    then fetched at once) and `dtype` is 16-bit (an fp32 copy would be the master weights themselves)."""
+    keep = self.host("params") and self.stream and not stateful and jnp.dtype(dtype).itemsize < 4
+    return dataclasses.replace(self, forward=jnp.dtype(dtype) if keep else None)
+
+  def forward_copy(self, params):
+    """Inside a trace: the kept rounding (`forward`) of master weights on the device, or None."""
+    if self.forward is None:
+      return None
+    return jax.tree.map(lambda x: x.astype(self.forward), params)
+
   def moves(self, state) -> int:
-    """The moves between host and device memory of one chunk's update at most: each array of the offloaded
-    fields of `state` (a `TrainState` of arrays, shapes or shardings) fetched and stored, 0 with the update on
-    the host (nothing of the states moves). `gpu_aot.compiler_options` lets XLA keep that many in flight."""
+    """The most moves between host and device of one chunk's update: each array of the offloaded fields of
+    `state` (a `TrainState` of arrays, shapes or shardings) fetched and stored; 0 with the update on the host.
+    `gpu_aot.compiler_options` lets XLA keep that many in flight."""
     if self.on_host:
       return 0
     return 2 * sum(len(jax.tree.leaves(getattr(state, f))) for f in self.fields)
 
-  def forward_params(self, master, dtype):
-    """Inside the jitted step: the master weights the forward reads (step 0 rounds them to `dtype`). With the
-    update on the host they are rounded there, so the 16-bit copy crosses the link, not the fp32 one
-    (ZeRO-Offload §4.1); the forward's own rounding then changes nothing."""
+  def forward_params(self, master, dtype, kept=None):
+    """Inside the jitted step: the master weights the forward reads (step 0 rounds them to `dtype`): their
+    rounding kept on the device (`kept`, `TrainState.forward`) widened to fp32, which XLA folds into step 0's
+    rounding; rounded on the host with the update there, so 16 bits cross the link (ZeRO-Offload §4.1); else
+    fetched."""
+    if kept is not None:
+      return jax.tree.map(lambda x: x.astype(jnp.float32), kept)
     if self.on_host:
       master = host_call(lambda t: jax.tree.map(lambda x: x.astype(dtype), t), HOST_SPACE)(master)
     return self.fetch("params", master)
@@ -306,77 +326,3 @@ def chunk_optimizer(optimizer, layout: layout_lib.Layout, unit: str, scanned: bo
                         is_leaf=layout_lib.is_layout)
   states = jax.tree.leaves(jax.eval_shape(opt.init, shapes))
   return opt, [i for i, x in enumerate(states) if x.ndim and x.size], (shapes, states)
-
-
-def in_host_memory(tree) -> bool:
-  """Inside a trace: whether every array of `tree` is typed as host memory. The step's offloaded inputs are,
-  on every backend with memory kinds (GPUs, CPUs); compile-only GPUs of jax 0.10.2 list no memories, so their
-  shardings drop the memory kind and the trace types those inputs as device memory (docs/offload.md)."""
-  return all(jax.typeof(x).memory_space == jax.memory.Space.Host for x in jax.tree.leaves(tree) if np.ndim(x))
-
-
-def stream_layers(offload: HostOffload, chunk, grads, hp, hs):
-  """`chunk(grads, params, states)` over the layers of a scanned unit, each layer's master weights `hp` and
-  states `hs` fetched to the device and stored back to host memory. -> (new master, new states, the scalar
-  states of the first layer's update).
-
-  Layer 0 is updated before a `lax.scan` over the layers between the first and the last, whose step i fetches
-  layer i + 1, updates layer i (fetched by the step before) and stores layer i - 1 (updated by the step
-  before); the last layer is updated and stored after the scan. The three depend on nothing of each
-  other, so the two directions of the host link and the device's update can run at once (Megatron-Core's
-  chunked offloader; docs/offload.md, "The two directions of the host link at once"), with three layers'
-  states on the device.
-
-  The stored layer is written into the host arrays themselves (`dynamic_update_slice` into the scan's carry),
-  so the donated host buffers are updated in place and the states are in host memory once. Each array's read
-  of layer i + 1 comes before its write of layer i - 1 (a `lax.optimization_barrier` per array: without it
-  XLA copies the whole host array to keep the read correct; one barrier over all the arrays would make every
-  fetch wait for every store). Where the trace types the host arrays as device memory (`in_host_memory`:
-  compile-only GPUs of jax 0.10.2), the stored layers stack in a new host array instead (`stack_layers`)."""
-  in_place = all(in_host_memory(t) for f, t in (("params", hp), ("opt_state", hs)) if offload.host(f))
-  if not in_place:
-    return stack_layers(offload, chunk, grads, hp, hs)
-  n = jax.tree.leaves(grads)[0].shape[0]
-  get = lambda host, i: _fetch_layer(offload, host, i)
-  at = lambda i: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), grads)
-
-  def write(host, new, i):
-    """`new` (a layer's master and states, on the device) into the host arrays `host` at layer i."""
-    new = (offload.store("params", new[0]), offload.store("opt_state", new[1]))
-    return jax.tree.map(lambda h, x: lax.dynamic_update_index_in_dim(h, x, i, 0), host, new)
-
-  def body(carry, i):
-    host, cur, prev = carry
-    nxt = get(host, i + 1)
-    pairs = jax.tree.map(lambda a, b: lax.optimization_barrier((a, b)), nxt, host)
-    nxt, host = (jax.tree.map(lambda _, ab, k=k: ab[k], nxt, pairs) for k in (0, 1))
-    p_new, s_new, _ = chunk(at(i), *cur)
-    return (write(host, prev, i - 1), nxt, (p_new, s_new)), None
-  p0, s0, scalars = chunk(at(0), *get((hp, hs), 0))
-  if n == 1:
-    return (*write((hp, hs), (p0, s0), 0), scalars)
-  (host, cur, prev), _ = lax.scan(body, ((hp, hs), get((hp, hs), 1), (p0, s0)), jnp.arange(1, n - 1))
-  p_last, s_last, _ = chunk(at(n - 1), *cur)
-  return (*write(write(host, prev, n - 2), (p_last, s_last), n - 1), scalars)
-
-
-def _fetch_layer(offload: HostOffload, host, i):
-  """Layer i of the host arrays `host` (master weights, states), on the device."""
-  take = lambda tree: jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, keepdims=True), tree)
-  return offload.fetch("params", take(host[0])), offload.fetch("opt_state", take(host[1]))
-
-
-def stack_layers(offload: HostOffload, chunk, grads, hp, hs):
-  """`stream_layers` where the host arrays are typed as device memory: a `lax.scan` whose step i fetches layer
-  i + 1, updates layer i and stores it; the stored layers stack in a new host array (the states are in host
-  memory twice during the step)."""
-  n = jax.tree.leaves(grads)[0].shape[0]
-  one = lambda t: jax.tree.map(lambda x: x[0], t)
-
-  def body(cur, xs):
-    i, g = xs
-    nxt = _fetch_layer(offload, (hp, hs), jnp.minimum(i + 1, n - 1))
-    p_new, s_new, sc = chunk(jax.tree.map(lambda x: x[None], g), *cur)
-    return nxt, (one(offload.store("params", p_new)), one(offload.store("opt_state", s_new)), sc)
-  _, (p_new, s_new, sc) = lax.scan(body, _fetch_layer(offload, (hp, hs), 0), (jnp.arange(n), grads))
-  return p_new, s_new, [x[0] for x in sc]

@@ -106,7 +106,8 @@ class Executor:
       self.metas[u] = UnitMeta(c.gather, c.reduction, c.remat, c.prefetch, sizes, treedef, tuple(leaves),
                                scanned=u in model.scanned, prefetch_optional=prefetch_optional)
     self.stateful = stateful_components(plan, mesh, self.layout, self.metas)  # {TrainState field: component}
-    self.placement = Placement.of(mesh, self.param_specs, plan.sharding.opt_order, c.offload, c.replicas_apart)
+    offload = c.offload.keeping_forward(c.gather.dtype, stateful=bool(self.stateful))  # the forward's copy
+    self.placement = Placement.of(mesh, self.param_specs, plan.sharding.opt_order, offload, c.replicas_apart)
     self.placement.refuse_model(model, plan.name)
     self.states = TrainStates(model, self.optimizer, self.layout, self.placement, self.stateful)
     self.steps = Steps(model, self.optimizer, optimizer, self.layout, c, self.placement, self.stateful,
@@ -130,6 +131,10 @@ class Executor:
   def init_programs(self) -> dict:
     """`{unit: jitted rng -> the unit's flat master shards}`, the programs `init` runs."""
     return self.states.init_programs()
+
+  def derive(self, state: TrainState) -> TrainState:
+    """`state` with its derived fields rebuilt (`TrainStates.derive`); traced under `jit`."""
+    return self.states.derive(state)
 
   def init_from_params(self, params, mutable=None) -> TrainState:
     """The state from logical params (`TrainStates.init_from_params`)."""

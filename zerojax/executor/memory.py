@@ -47,7 +47,8 @@ def memory_report(ex, state: TrainState | None = None) -> dict:
   Returns:
     `{"expected": {...}, "measured": {...}}` in bytes per device; `measured` only with `state`.
     `expected["host_in_flight"]`: of the `host` bytes, the most on the device at once during the update
-    (`in_flight`).
+    (`in_flight`); `expected["forward_kept"]`: the 16-bit master weights the device keeps between steps with
+    them offloaded (`TrainState.forward`), counted in `params`.
   """
   s = lambda axes: group_size(ex.mesh, axes)
   plan, sharding = ex.plan, ex.plan.sharding
@@ -78,6 +79,10 @@ def memory_report(ex, state: TrainState | None = None) -> dict:
       expected["optimizer"] if offload.host("opt_state") else 0)
   expected["device"] = expected["total"] - expected["host"]
   expected["host_in_flight"] = in_flight(ex, expected["host"])
+  # The 16-bit rounding of offloaded master weights the device keeps between steps (`TrainState.forward`),
+  # sharded as they are: the 16-bit parameters of `params`, held from one step to the next.
+  kept = offload.forward
+  expected["forward_kept"] = 0 if kept is None else expected["master"] // 4 * kept.itemsize
   report = {"plan": plan.name, "expected": expected}
   if state is not None:
     dev = ex.mesh.devices.flat[0]

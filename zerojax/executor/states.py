@@ -58,8 +58,10 @@ class TrainStates:
     opt = jax.tree.map(lambda x: where.opt_sharding(x.ndim), state_shapes.opt_state)
     params = where.offload.place("params", params, state_shapes.params)  # the fields in host memory
     opt = where.offload.place("opt_state", opt, state_shapes.opt_state)
+    forward = None if state_shapes.forward is None else jax.tree.map(
+        lambda s: NamedSharding(self.mesh, s), where.param_specs)  # on the device, sharded as the master weights
     return TrainState(step=rep, params=params, opt_state=opt, skipped=NamedSharding(self.mesh, where.spec()),
-                      rng=jax.tree.map(lambda _: rep, state_shapes.rng),
+                      forward=forward, rng=jax.tree.map(lambda _: rep, state_shapes.rng),
                       mutable=jax.tree.map(lambda _: rep, state_shapes.mutable),
                       stateful={n: jax.tree.map(lambda s: NamedSharding(self.mesh, s), c.specs())
                                 for n, c in self.stateful.items()})
@@ -78,9 +80,15 @@ class TrainStates:
     params, opt_state, skipped = self.placement.init(offload.fetch("params", flat), self.optimizer.init)
     opt_state = offload.store("opt_state", opt_state)
     return TrainState(step=jnp.zeros((), jnp.int32), params=offload.store("params", params), opt_state=opt_state,
-                      skipped=skipped, rng=rng if model.rng else None,
+                      skipped=skipped, forward=offload.forward_copy(params), rng=rng if model.rng else None,
                       mutable=mutable if model.init_state is not None else None,
                       stateful={n: c.init(flat) for n, c in self.stateful.items()})
+
+  def derive(self, state: TrainState) -> TrainState:
+    """`state` with its derived field rebuilt from its master weights (`TrainState.forward`, the rounding
+    the forward reads where offloaded master weights keep it on the device; a checkpoint stores none)."""
+    offload = self.placement.offload
+    return state.replace(forward=offload.forward_copy(offload.fetch("params", state.params)))
 
   def init(self, rng: jax.Array) -> TrainState:
     """Initialises the model and optimizer directly into the plan's sharded layout.

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import gpu_aot
 from zerojax.engine import layout as layout_lib, logical as logical_lib, offload as offload_lib
+from zerojax.engine.offload_stream import stream_layers
 from zerojax.engine.components import Components
 from zerojax.engine.model import Model, call_loss, user_views
 from zerojax.state.placement import Placement
@@ -185,7 +186,7 @@ class Steps:
     where = self.placement
     offload = where.offload  # offloaded fields come to the device where read, then go back
     host = state
-    state = state.replace(params=offload.forward_params(host.params, self.components.gather.dtype))  # step 0's
+    state = state.replace(params=offload.forward_params(host.params, self.components.gather.dtype, host.forward))
     start = state.params  # what the step started from, before any barrier behind the backward
     data = P(None, self.batch_axes)
     body_in = {n: c.body_in(state.stateful[n], phase) for n, c in self.stateful.items()}
@@ -201,12 +202,13 @@ class Steps:
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     streamed = offload.fields and offload.stream and not self.stateful  # the states pass the device by chunks
     if offload.on_host or streamed:
+      forward = None
       if offload.on_host:  # the gradients go down and the states stay on the host
         params, opt_state = offload_lib.host_update(where.per_replica(self.optimizer.update), where.keep, grads,
                                                     host.opt_state, host.params, finite)
       else:
-        params, opt_state = self._streamed_update(host, grads, finite)
-      new = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+        params, opt_state, forward = self._streamed_update(host, grads, finite)
+      new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, forward=forward,
                           skipped=state.skipped + (~finite).astype(jnp.int32),
                           mutable=keep(finite, mutable, state.mutable))
       return new, StepMetrics(loss, grad_norm, finite, aux)
@@ -233,15 +235,17 @@ class Steps:
     """The optimizer's update with offloaded states, one chunk at a time (docs/offload.md, "The streamed
     update"): a unit, or one layer of a scanned unit (a `lax.scan` over its layers). Each chunk's states
     come to the device, are updated and go back to host memory; a scanned unit fetches layer i + 1 while
-    it updates and stores layer i. A unit's fetch waits on the store of the unit two before it (and the
-    first two on the gradients), so at most three units' states are on the device at once, whatever XLA's
-    scheduler would do. The update's global statistics (the clipping's norm) come from the whole gradient
-    before the first chunk (`offload.global_scalars`). -> (new master weights, new optimizer states), each
-    in the memory its field lives in."""
+    it updates layer i and stores layer i - 1 (`offload_stream.stream_layers`). A unit's fetch waits on the store
+    of the unit two before it (and the first two on the gradients), so at most three units' states are on
+    the device at once, whatever XLA's scheduler would do. The update's global statistics (the clipping's
+    norm) come from the whole gradient before the first chunk (`offload.global_scalars`). -> (new master
+    weights, new optimizer states, each in the memory its field lives in; the new master weights' rounding
+    the train state keeps on the device, `TrainState.forward`, or None)."""
     off, lay = self.placement.offload, self.layout.tree()
     scalars = offload_lib.global_scalars(self.optimizer.update, grads, host.opt_state, host.params)
     leaves, treedef = jax.tree.flatten(host.opt_state)
     new_leaves, new_params, stored = list(leaves), {}, []
+    forward = None if host.forward is None else {}
     for k, u in enumerate(lay):
       scanned = u in self.model.scanned
       cache = self._chunk_opts
@@ -268,9 +272,13 @@ class Steps:
 
       if not scanned:
         p_new, s_new, sc = chunk(grads[u], off.fetch("params", hp), off.fetch("opt_state", hs))
+        fwd = off.forward_copy(p_new) if forward is not None else None
         p_new, s_new = off.store("params", p_new), off.store("opt_state", s_new)
       else:
-        p_new, s_new, sc = offload_lib.stream_layers(off, chunk, grads[u], hp, hs)
+        p_new, s_new, sc, fwd = stream_layers(off, chunk, grads[u], hp, hs,
+                                              None if forward is None else host.forward[u])
+      if forward is not None:
+        forward[u] = fwd
       new_params[u] = p_new
       for i, x in zip(mine, s_new):
         new_leaves[i] = x
@@ -278,7 +286,7 @@ class Steps:
         for i, x in zip([i for i in range(len(leaves)) if not np.ndim(leaves[i])], sc):
           new_leaves[i] = x
       stored.append((p_new, s_new))
-    return new_params, jax.tree.unflatten(treedef, new_leaves)
+    return new_params, jax.tree.unflatten(treedef, new_leaves), forward
 
   def compiler_options(self, state_shardings: TrainState) -> dict:
     """The XLA options the step compiles with (`gpu_aot.compiler_options`): on GPUs, with offloaded state,

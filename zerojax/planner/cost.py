@@ -262,7 +262,9 @@ def offload_bytes(point: Point, work: Workload) -> dict:
   `Sharding.offload_update`); Φ_os = Φ / s_os, this device's parameters:
 
     before      to the device before the forward: the fp32 master weights (4 Φ_os) where they are offloaded,
-                for step 0's cast; with the update on the host, the 16-bit weights rounded there (b Φ_os)
+                for step 0's cast; with the update on the host, the 16-bit weights rounded there (b Φ_os);
+                none where the streamed update keeps their 16-bit rounding on the device between steps
+                (16-bit weights, no stateful component reading the step's updates: `HostOffload.keeping_forward`)
     to_device   the update's states, to the device ("streamed", "bulk"): (4 + o) Φ_os with the master
                 weights, o Φ_os without (AdamW: 12 and 8 bytes per parameter); on the host ("host"), none
     to_host     the same states back; on the host, the gradients instead (r Φ_os)
@@ -279,7 +281,10 @@ def offload_bytes(point: Point, work: Workload) -> dict:
             "chunk_params": chunks}
   master = 4 if "master" in offload else 0
   state = (master + work.opt_bytes_per_param) * phi
-  return {"before": master * phi, "to_device": state, "to_host": state, "chunk_params": chunks}
+  stateful = point.sync.replica_sync is not None or point.sync.outer_sync is not None or (
+      point.reduction.grad_error_feedback)  # a component that reads the step's updates: the bulk fetch
+  kept = mode == "streamed" and work.param_bytes < 4 and not stateful
+  return {"before": 0.0 if kept else master * phi, "to_device": state, "to_host": state, "chunk_params": chunks}
 
 
 def streamed(fetch: list[float], update: list[float], store: list[float]) -> float:

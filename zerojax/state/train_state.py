@@ -31,6 +31,9 @@ class TrainState:
   mutable: Any = None    # the model's mutable collections (`Model.init_state`), replicated
   stateful: Any = None   # {name: state} of the plan's stateful components (`STATEFUL`), e.g. "radius":
                          # `RadiusState`, "grad_error": {unit: (e_send, e_node)}, "outer": `OuterState`
+  forward: Any = None    # with the master weights in host memory and the update streamed: their 16-bit
+                         # rounding, kept on the device between steps for the forward (`HostOffload.forward`);
+                         # derived, not stored: a restore rebuilds it (`TrainStates.derive`)
 
 
 def stateful_components(plan, mesh, layout, metas) -> dict:

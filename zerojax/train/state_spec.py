@@ -46,6 +46,7 @@ from zerojax.state.train_state import STATEFUL
 FORMAT = 1
 SEP = "/"
 STORED = ("step", "params", "opt_state", "skipped", "rng", "mutable", "stateful")  # TrainState fields that are state
+DERIVED = ("forward",)  # TrainState fields rebuilt from the stored ones on restore (`Executor.derive`)
 COMPONENTS = "stateful"  # the field whose mapping holds each component's state, stored under the component's name
 
 
@@ -72,17 +73,18 @@ class _Spec:
   def __init__(self, executor):
     shapes = jax.eval_shape(executor.init_from_flat, executor.flat_shapes())
     self.shardings = executor.shardings(shapes)
+    self.derive = executor.derive
     by_path = {layout_lib.path_names(p): lay for p, lay in jax.tree_util.tree_flatten_with_path(
         executor.layout.tree(), is_leaf=layout_lib.is_layout)[0]}
     # Optimizer states are named by the user's tree (e.g. flax's params), which the optimizer sees.
     params = [(layout_lib.path_names(p), lay) for p, lay in jax.tree_util.tree_flatten_with_path(
         executor.user_layout(), is_leaf=layout_lib.is_layout)[0]]
     fields = tuple(f.name for f in dataclasses.fields(shapes))
-    if sorted(fields) != sorted(STORED):
+    if sorted(fields) != sorted(STORED + DERIVED):
       raise CheckpointError(f"TrainState has fields {fields} but checkpoints store {STORED}: add a new field to "
                             "zerojax.train.state_spec.STORED if it is state, or rebuild it after `restore` if "
                             "derived")
-    leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    leaves, self.treedef = jax.tree_util.tree_flatten_with_path(shapes.replace(**dict.fromkeys(DERIVED)))
     axes, mesh = executor.plan.sharding.opt_order, executor.mesh
     where = executor.placement  # one copy per replica (DiLoCo): its `fields` lead with the replica axis
     self.components = set(executor.stateful)
@@ -247,11 +249,12 @@ def state_spec_of(executor) -> _Spec:
   if executor not in _SPECS:
     spec = _Spec(executor)
     spec.to_logical = jax.jit(
-        lambda state: spec.nest([spec.convert(x, l, True) for x, l in zip(jax.tree.leaves(state), spec.leaves)]),
+        lambda state: spec.nest([spec.convert(x, l, True) for x, l in zip(
+            jax.tree.leaves(state.replace(**dict.fromkeys(DERIVED))), spec.leaves)]),
         out_shardings=spec.nest([l.sharding for l in spec.leaves]))
     spec.from_logical = jax.jit(
-        lambda tree: jax.tree.unflatten(spec.treedef, [
-            spec.convert(x, l, False) for x, l in zip(spec.unnest(tree), spec.leaves)]),
+        lambda tree: spec.derive(jax.tree.unflatten(spec.treedef, [
+            spec.convert(x, l, False) for x, l in zip(spec.unnest(tree), spec.leaves)])),
         out_shardings=spec.shardings)
     _SPECS[executor] = spec
   return _SPECS[executor]
