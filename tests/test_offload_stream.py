@@ -109,6 +109,20 @@ def test_flax_model_streamed_offload_trains_bitwise_what_the_device_trains():
   assert same(out[BOTH][0], out[()][0])
 
 
+def test_one_device_keeps_the_gradients_16bit_until_each_chunk_widens_them():
+  """One device, one micro-step, bf16: nothing reduces the gradients, so they stay bf16 out of the backward and
+  the streamed update widens each chunk's (`StreamedUpdate.wide`) instead of the step widening all of them:
+  bitwise the step without offload, whose step widens them at once."""
+  mesh = zerojax.make_mesh(1, 1, devices=jax.devices()[:1])
+  model = gpt(dataclasses.replace(helpers.TINY, num_layers=3))
+  runs = {off: helpers.run(plans.dp(offload=off, compute_dtype="bfloat16"), mesh, helpers.optimizer(), model=model,
+                           accum=1) for off in ((), BOTH)}
+  (_, ref, _, ref_losses), (ex, state, _, losses) = runs[()], runs[BOTH]
+  assert ex.steps.streamed.streams and not runs[()][0].steps.streamed.streams
+  assert losses == ref_losses
+  assert same(state.replace(forward=None), ref)
+
+
 def test_the_kept_16bit_forward_weights_are_rebuilt_on_restore(tmp_path):
   """A checkpoint stores no `TrainState.forward` (it is derived): zero3 with both fields offloaded in bf16,
   saved after 3 steps and restored on another mesh, rebuilds the rounding from the master weights, and trains

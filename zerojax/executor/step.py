@@ -25,13 +25,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import gpu_aot
 from zerojax.engine import layout as layout_lib, logical as logical_lib, offload as offload_lib
-from zerojax.engine.offload_stream import stream_layers
 from zerojax.engine.components import Components
-from zerojax.engine.model import Model, call_loss, user_views
+from zerojax.engine.model import Model, call_loss
 from zerojax.state.placement import Placement
 from zerojax.state.stateful import InBackward, Phased, ReplacesWeights, SyncsReplicas, keep
 from zerojax.state.train_state import TrainState
 from zerojax.engine.unit import ShardedUnit
+from zerojax.executor.offload_update import StreamedUpdate
 
 
 class StepMetrics(NamedTuple):
@@ -69,7 +69,9 @@ class Steps:
     self.world = self.mesh.size
     self.batch_axes = tuple(self.mesh.axis_names)  # the batch is sharded over every device
     self.batch_sharding = NamedSharding(self.mesh, P(None, self.batch_axes))
-    self._step, self._reduction, self._chunk_opts = None, None, {}
+    self._step, self._reduction = None, None
+    self.streamed = StreamedUpdate(model, optimizer, user_optimizer, layout, components.reduction.dtype, placement,
+                                   streams=bool(placement.offload.fields) and placement.offload.stream and not stateful)
 
   def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None) -> dict:
     reduction = self._reduction or self.components.reduction
@@ -144,7 +146,9 @@ class Steps:
     # devices of one copy of the state).
     denom = self.placement.divisor(self.world, self.accum_steps)
     out = {n: carried.get(n) for n in self.stateful}
-    if syncer is None:
+    if syncer is None and denom == 1 and self.streamed.streams:
+      grads = acc  # the streamed update widens each chunk's gradient (`StreamedUpdate.wide`), not all at once
+    elif syncer is None:
       grads = jax.tree.map(lambda g: g.astype(parts.reduction.dtype) / denom, acc)
     else:
       grads, out[syncer.name] = syncer.sync(acc, local[syncer.name], denom, phase)
@@ -198,16 +202,15 @@ class Steps:
         out_specs=(where.param_specs, per, per, P(), out_specs), check_vma=False)(
             state.params, batch, state.step, state.rng, state.mutable, {n: v for n, (v, _) in body_in.items()})
     # One optimizer per copy: each replica's norm, update and skip are its own.
-    grad_norm = where.per_replica(optax.tree.norm)(grads)
+    grad_norm = where.per_replica(optax.tree.norm)(self.streamed.wide(grads))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    streamed = offload.fields and offload.stream and not self.stateful  # the states pass the device by chunks
-    if offload.on_host or streamed:
+    if offload.on_host or self.streamed.streams:
       forward = None
       if offload.on_host:  # the gradients go down and the states stay on the host
         params, opt_state = offload_lib.host_update(where.per_replica(self.optimizer.update), where.keep, grads,
                                                     host.opt_state, host.params, finite)
       else:
-        params, opt_state, forward = self._streamed_update(host, grads, finite)
+        params, opt_state, forward = self.streamed(host, grads, finite)
       new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, forward=forward,
                           skipped=state.skipped + (~finite).astype(jnp.int32),
                           mutable=keep(finite, mutable, state.mutable))
@@ -230,63 +233,6 @@ class Steps:
         new = new.replace(params=params, stateful={**new.stateful, n: own})
     new = new.replace(params=offload.store("params", new.params), opt_state=offload.store("opt_state", new.opt_state))
     return new, StepMetrics(loss, grad_norm, finite, aux)
-
-  def _streamed_update(self, host: TrainState, grads, finite):
-    """The optimizer's update with offloaded states, one chunk at a time (docs/offload.md, "The streamed
-    update"): a unit, or one layer of a scanned unit (a `lax.scan` over its layers). Each chunk's states
-    come to the device, are updated and go back to host memory; a scanned unit fetches layer i + 1 while
-    it updates layer i and stores layer i - 1 (`offload_stream.stream_layers`). A unit's fetch waits on the store
-    of the unit two before it (and the first two on the gradients), so at most three units' states are on
-    the device at once, whatever XLA's scheduler would do. The update's global statistics (the clipping's
-    norm) come from the whole gradient before the first chunk (`offload.global_scalars`). -> (new master
-    weights, new optimizer states, each in the memory its field lives in; the new master weights' rounding
-    the train state keeps on the device, `TrainState.forward`, or None)."""
-    off, lay = self.placement.offload, self.layout.tree()
-    scalars = offload_lib.global_scalars(self.optimizer.update, grads, host.opt_state, host.params)
-    leaves, treedef = jax.tree.flatten(host.opt_state)
-    new_leaves, new_params, stored = list(leaves), {}, []
-    forward = None if host.forward is None else {}
-    for k, u in enumerate(lay):
-      scanned = u in self.model.scanned
-      cache = self._chunk_opts
-      if u not in cache:
-        cache[u] = offload_lib.chunk_optimizer(self.user_optimizer, self.layout, u, scanned, *user_views(self.model))
-      opt, mine, empty = cache[u]
-      hp, hs = host.params[u], [leaves[i] for i in mine]
-      _, (hp, hs) = lax.optimization_barrier((stored[k - 2] if k >= 2 else grads, (hp, hs)))
-
-      def chunk(g, p, s, u=u, opt=opt, mine=mine, empty=empty):
-        """The update of unit u's chunk (device arrays): -> (master, its states, the scalar states)."""
-        fill = lambda tree, x: {v: (x if v == u else jax.tree.map(lambda e: jnp.zeros(e.shape, e.dtype), tree[v]))
-                                for v in tree}
-        g_t, p_t = fill(empty[0], g), fill(empty[0], p)
-        it = iter(s)
-        s_t = jax.tree.unflatten(treedef, [next(it) if i in mine else (leaves[i] if not np.ndim(leaves[i])
-                                           else jnp.zeros(e.shape, e.dtype)) for i, e in enumerate(empty[1])])
-        updates, s_new = offload_lib.run_chunk(opt.update, scalars, g_t, s_t, p_t)
-        p_new = optax.apply_updates(p_t[u], updates[u])
-        s_new = jax.tree.leaves(s_new)
-        old_scalars = [leaves[i] for i in range(len(leaves)) if not np.ndim(leaves[i])]
-        return (keep(finite, p_new, p), keep(finite, [s_new[i] for i in mine], list(s)),
-                keep(finite, [s_new[i] for i in range(len(leaves)) if not np.ndim(leaves[i])], old_scalars))
-
-      if not scanned:
-        p_new, s_new, sc = chunk(grads[u], off.fetch("params", hp), off.fetch("opt_state", hs))
-        fwd = off.forward_copy(p_new) if forward is not None else None
-        p_new, s_new = off.store("params", p_new), off.store("opt_state", s_new)
-      else:
-        p_new, s_new, sc, fwd = stream_layers(off, chunk, grads[u], hp, hs,
-                                              None if forward is None else host.forward[u])
-      if forward is not None:
-        forward[u] = fwd
-      new_params[u] = p_new
-      for i, x in zip(mine, s_new):
-        new_leaves[i] = x
-      if k == 0:
-        for i, x in zip([i for i in range(len(leaves)) if not np.ndim(leaves[i])], sc):
-          new_leaves[i] = x
-      stored.append((p_new, s_new))
-    return new_params, jax.tree.unflatten(treedef, new_leaves), forward
 
   def compiler_options(self, state_shardings: TrainState) -> dict:
     """The XLA options the step compiles with (`gpu_aot.compiler_options`): on GPUs, with offloaded state,
