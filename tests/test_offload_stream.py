@@ -74,7 +74,7 @@ def test_streamed_layers_of_any_count_train_bitwise_what_the_device_trains(layer
 
 
 @pytest.mark.parametrize("plan", ["dp", "zero3", "mics"])
-def test_16bit_forward_weights_kept_on_the_device_train_bitwise_what_the_device_trains(plan):
+def test_16bit_weights_kept_on_the_device_train_bitwise(plan):
   """bf16 compute, both fields offloaded: the train state keeps the master weights' bf16 rounding on the device
   (`TrainState.forward`), the step's forward reads it instead of fetching the fp32 master weights, and the
   update writes the new rounding. Losses and state are bitwise those without offload (the AdamW of
