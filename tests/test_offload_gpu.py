@@ -198,6 +198,7 @@ def test_streamed_layers_move_both_directions_at_once(monkeypatch):
   assert loop["host_to_device"] == loop["device_to_host"] > 0, loop  # one layer's master and states each way
   for d in ("host_to_device", "device_to_host"):
     assert loop["overlapped"][d] >= 0.9 * loop[d], loop
+  assert loop["kernels_beside_moves"] >= loop["kernels"] // 2 > 0, loop  # the update runs beside the copies
   monkeypatch.setenv("XLA_FLAGS", f"--{gpu_aot.ASYNC_MOVES}=2")
   assert gpu_aot.ASYNC_MOVES not in ex.compiler_options()
   serial = layer_loop()

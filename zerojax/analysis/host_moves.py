@@ -79,7 +79,8 @@ def host_moves(hlo_text: str) -> dict:
   """Per run of the program: `host_to_device` and `device_to_host` bytes, the moves of each direction, and
   `overlapping_pairs` (pairs of opposite moves whose spans intersect, counted per execution of their
   computation), `overlapped` (per direction, the bytes of the moves in flight beside at least one move of the
-  other direction), with `per_computation` detail for the computations that move anything."""
+  other direction), `kernels_beside_moves` (kernels run while a move is in flight: the update beside the copies),
+  with `per_computation` detail for the computations that move anything."""
   mod = Module(hlo_text)
   kernels = set()
   for instrs in mod.comps.values():
@@ -89,6 +90,7 @@ def host_moves(hlo_text: str) -> dict:
                                                     re.search(r"()", "")).group(1)))
   total = {"host_to_device": 0.0, "device_to_host": 0.0, "moves": {"host_to_device": 0, "device_to_host": 0},
            "overlapping_pairs": 0, "overlapped": {"host_to_device": 0.0, "device_to_host": 0.0},
+           "kernels_beside_moves": 0,
            "per_computation": {}}
   for comp in mod.comps:
     if comp in kernels:
@@ -109,8 +111,14 @@ def host_moves(hlo_text: str) -> dict:
     total["overlapping_pairs"] += n * pairs
     for d, b in beside.items():
       total["overlapped"][d] += n * b
+    spans = [(m["start"], m["end"]) for m in moves]
+    kernels = [k for k, i in enumerate(mod.comps[comp]) if i.opcode in ("fusion", "custom-call")
+               and not any(m["start"] == k or m["end"] == k for m in moves)]
+    beside_kernels = sum(1 for k in kernels if any(a < k < b for a, b in spans))
+    total["kernels_beside_moves"] += n * beside_kernels
     total["per_computation"][comp] = {"executions": n, "host_to_device": sum(m["bytes"] for m in up),
                                       "device_to_host": sum(m["bytes"] for m in down),
                                       "moves": [len(up), len(down)], "overlapping_pairs": pairs,
-                                      "overlapped": beside}
+                                      "overlapped": beside, "kernels": len(kernels),
+                                      "kernels_beside_moves": beside_kernels}
   return total
