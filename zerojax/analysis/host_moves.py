@@ -112,13 +112,13 @@ def host_moves(hlo_text: str) -> dict:
     for d, b in beside.items():
       total["overlapped"][d] += n * b
     spans = [(m["start"], m["end"]) for m in moves]
-    kernels = [k for k, i in enumerate(mod.comps[comp]) if i.opcode in ("fusion", "custom-call")
-               and not any(m["start"] == k or m["end"] == k for m in moves)]
-    beside_kernels = sum(1 for k in kernels if any(a < k < b for a, b in spans))
+    launched = [k for k, i in enumerate(mod.comps[comp]) if i.opcode in ("fusion", "custom-call")
+                and not any(m["start"] == k or m["end"] == k for m in moves)]
+    beside_kernels = sum(1 for k in launched if any(a < k < b for a, b in spans))
     total["kernels_beside_moves"] += n * beside_kernels
     total["per_computation"][comp] = {"executions": n, "host_to_device": sum(m["bytes"] for m in up),
                                       "device_to_host": sum(m["bytes"] for m in down),
                                       "moves": [len(up), len(down)], "overlapping_pairs": pairs,
-                                      "overlapped": beside, "kernels": len(kernels),
+                                      "overlapped": beside, "kernels": len(launched),
                                       "kernels_beside_moves": beside_kernels}
   return total
