@@ -81,11 +81,16 @@ class HostOffload:
   def host(self, field: str) -> bool:
     return field in self.fields
 
+  def streams(self, stateful: bool) -> bool:
+    """The step updates offloaded states on the device chunk by chunk: the update is "streamed" and no
+    stateful component reads the whole step's updates (with one, every state is fetched at once)."""
+    return bool(self.fields) and self.stream and not stateful
+
   def keeping_forward(self, dtype, stateful: bool) -> "HostOffload":
     """This offload, keeping the forward's `dtype` rounding of offloaded master weights on the device
-    (`forward`) where the update is streamed, no stateful component reads the step's updates (the update is
-    then fetched at once) and `dtype` is 16-bit (an fp32 copy would be the master weights themselves)."""
-    keep = self.host("params") and self.stream and not stateful and jnp.dtype(dtype).itemsize < 4
+    (`forward`) where the update `streams` and `dtype` is 16-bit (an fp32 copy would be the master weights
+    themselves)."""
+    keep = self.host("params") and self.streams(stateful) and jnp.dtype(dtype).itemsize < 4
     return dataclasses.replace(self, forward=jnp.dtype(dtype) if keep else None)
 
   def forward_copy(self, params):

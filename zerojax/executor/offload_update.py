@@ -93,7 +93,7 @@ class StreamedUpdate:
 
       if not scanned:
         p_new, s_new, sc = chunk(grads[u], off.fetch("params", hp), off.fetch("opt_state", hs))
-        fwd = off.forward_copy(p_new) if forward is not None else None
+        fwd = off.forward_copy(p_new)  # None where no rounding is kept
         p_new, s_new = off.store("params", p_new), off.store("opt_state", s_new)
       else:
         p_new, s_new, sc, fwd = stream_layers(off, chunk, grads[u], hp, hs,

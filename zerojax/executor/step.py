@@ -71,7 +71,7 @@ class Steps:
     self.batch_sharding = NamedSharding(self.mesh, P(None, self.batch_axes))
     self._step, self._reduction = None, None
     self.streamed = StreamedUpdate(model, optimizer, user_optimizer, layout, components.reduction.dtype, placement,
-                                   streams=bool(placement.offload.fields) and placement.offload.stream and not stateful)
+                                   streams=placement.offload.streams(bool(stateful)))
 
   def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None) -> dict:
     reduction = self._reduction or self.components.reduction
