@@ -37,6 +37,7 @@ import functools
 import inspect
 import os
 import pathlib
+import re
 import shutil
 
 import jax
@@ -52,8 +53,32 @@ tl = libdevice = None
 _abs_or_inf = _scale = _inverse = _codes = _butterflies = _fwht = _load_codes = _store_codes = _quantize_store = None
 
 
+# The last jax-triton that registers its kernel call's dead-code rule with two arguments: jax 0.12 calls
+# such rules with three (`TypeError: _triton_kernel_call_dce_rule() takes 2 positional arguments`).
+JAX_TRITON_BEFORE_JAX_0_12 = (0, 4, 1)
+
+
+def _version(text: str) -> tuple[int, ...]:
+  return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def incompatibility() -> str | None:
+  """Why the installed jax-triton cannot lower kernels with this jax, or None (also where it is missing:
+  `require_jax_triton` says so)."""
+  from importlib import metadata
+  try:
+    installed = metadata.version("jax-triton")
+  except metadata.PackageNotFoundError:
+    return None
+  if _version(installed) <= JAX_TRITON_BEFORE_JAX_0_12 and _version(jax.__version__) >= (0, 12):
+    return (f"jax-triton {installed} does not lower with jax {jax.__version__} (its dead-code rule predates "
+            "jax 0.12); install jax<0.12, or use backend='xla' or 'pallas'")
+  return None
+
+
 def require_jax_triton() -> None:
-  """Raises unless jax-triton and triton import (no GPU is needed to lower the kernels)."""
+  """Raises unless jax-triton and triton import and jax-triton lowers with this jax (no GPU is needed to
+  lower the kernels)."""
   try:
     import jax_triton  # noqa: F401
     import triton  # noqa: F401
@@ -61,6 +86,9 @@ def require_jax_triton() -> None:
     raise RuntimeError(
         f"backend='triton' needs the jax-triton package ({e}); install zerojax[gpu], or use "
         "backend='xla' or 'pallas'") from e
+  why = incompatibility()
+  if why:
+    raise RuntimeError(f"backend='triton': {why}")
 
 
 def compute_capability() -> int | None:

@@ -35,14 +35,29 @@ KERNEL_OP = re.compile(r'op_name="[^"]*?(zerojax_[a-z_]+)/([^"]*)"')
 
 GPU_AOT_REASON = f"needs the jax CUDA plugin: {gpu_aot.PIP}"
 needs_plugin = pytest.mark.skipif(not gpu_aot.plugin_installed(), reason=GPU_AOT_REASON)
-needs_jax_triton = pytest.mark.skipif(
-    not (gpu_aot.plugin_installed() and importlib.util.find_spec("jax_triton")), reason=GPU_AOT_REASON)
+def _jax_triton_lowers() -> bool:
+  from pallas_kernels import triton_block_quant
+  return bool(importlib.util.find_spec("jax_triton")) and triton_block_quant.incompatibility() is None
+
+
+needs_jax_triton = pytest.mark.skipif(  # jax-triton <= 0.4.1 cannot lower with jax 0.12 (a third-party limit)
+    not (gpu_aot.plugin_installed() and _jax_triton_lowers()), reason=f"{GPU_AOT_REASON}, and a jax-triton that lowers "
+                                                                      "with this jax")
 
 
 @functools.cache
 def _devices(target: str, topology: str):
   nodes, gpus = (int(v) for v in topology.split("x")[1:])
   return gpu_aot.devices(target, nodes, gpus)
+
+
+@pytest.fixture(autouse=True)
+def _lowering_for_the_target(request):
+  """Kernels jitted outside a shard_map lower for the test's target (`gpu_aot.lowering_for`: jax 0.12's Pallas
+  reads the GPU from the abstract mesh; no-op before)."""
+  params = getattr(getattr(request.node, "callspec", None), "params", {})
+  with gpu_aot.lowering_for(params.get("target", "h100")):
+    yield
 
 
 def _on_one_gpu(target, *shapes):
@@ -198,7 +213,7 @@ def test_triton_without_compute_capability_names_the_fix(monkeypatch):
     jax.jit(lambda x: Q.quantize(x, 8, BLOCK, backend="triton")).lower(x)
 
 
-@pytest.mark.skipif(not importlib.util.find_spec("jax_triton"), reason="needs jax-triton: pip install -e '.[gpu]'")
+@pytest.mark.skipif(not _jax_triton_lowers(), reason="needs a jax-triton that lowers with this jax: pip install -e '.[gpu]'")
 def test_triton_lowered_for_cpu_raises():
   with pytest.raises(RuntimeError, match="lowered for cpu; use backend='xla' or 'pallas'"):
     jax.jit(lambda x: Q.quantize(x, 8, BLOCK, backend="triton")).lower(_x())
@@ -216,10 +231,33 @@ def test_gpu_default_is_the_measured_tables_fastest_that_lowers(monkeypatch):
   assert kernel_choice.gpu_default("quantize", 8, 100, rotate=False) == "xla"          # no compiled kernel: not a power of 2
   assert kernel_choice.gpu_default("quantize", 4, 256) == "xla"  # triton measured fastest, but no target capability known
   monkeypatch.setenv("ZEROJAX_TRITON_COMPUTE_CAPABILITY", "90")
-  if importlib.util.find_spec("jax_triton") is not None:
+  from pallas_kernels import triton_block_quant
+  if importlib.util.find_spec("jax_triton") is not None and triton_block_quant.incompatibility() is None:
     assert kernel_choice.gpu_default("quantize", 4, 256) == "triton"
     assert kernel_choice.gpu_default("quantize", 4, 256, noisy=True) == "xla"          # triton has no stochastic rounding
   assert kernel_choice.default_backend() == "xla"                                      # on this CPU host
+
+
+@pytest.mark.parametrize("jax_triton,jax_version,works", [("0.4.1", "0.12.0.1", False), ("0.3.1", "0.12.0", False),
+                                                          ("0.4.1", "0.11.2", True), ("0.4.2", "0.12.0", True)])
+def test_a_jax_triton_that_cannot_lower_with_this_jax_is_never_the_default(monkeypatch, jax_triton, jax_version, works):
+  """jax-triton 0.4.1 and earlier cannot lower with jax 0.12 (their dead-code rule takes two arguments, jax
+  0.12 passes three): the default backend then skips triton and an explicit backend='triton' names the
+  versions and the fix in one line."""
+  from importlib import metadata
+  from pallas_kernels import kernel_table, triton_block_quant
+  real = metadata.version
+  monkeypatch.setattr(metadata, "version", lambda name: jax_triton if name == "jax-triton" else real(name))
+  monkeypatch.setattr(jax, "__version__", jax_version)
+  monkeypatch.setenv("ZEROJAX_TRITON_COMPUTE_CAPABILITY", "90")
+  assert (triton_block_quant.incompatibility() is None) == works
+  assert kernel_table.ranking("quantize", 4, rotate=False)[0] == "triton"
+  if importlib.util.find_spec("jax_triton") is None:
+    return
+  assert (kernel_choice.gpu_default("quantize", 4, 256) == "triton") == works
+  if not works:
+    with pytest.raises(RuntimeError, match=f"jax-triton {jax_triton} does not lower with jax {jax_version}.*pallas"):
+      kernel_choice.resolve_backend("triton")
 
 
 @pytest.mark.gpu_compile

@@ -8,6 +8,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from zerojax import gpu_aot
 from zerojax.quant import kernel_choice, quantization as Q
 
 BLOCK = 64
@@ -382,7 +383,8 @@ def test_pallas_kernels_lower_to_triton_for_cuda():
 
   target = "__gpu$xla.gpu.triton"
   for bits, out_bits in [(8, 4), (4, 8)]:
-    exported = jax.export.export(
-        jax.jit(functools.partial(all_ops, bits=bits, out_bits=out_bits)), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)])(x)
+    with gpu_aot.lowering_for("h100"):
+      exported = jax.export.export(
+          jax.jit(functools.partial(all_ops, bits=bits, out_bits=out_bits)), platforms=["cuda"],
+          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)])(x)
     assert exported.mlir_module().count(f"@{target}") == 5

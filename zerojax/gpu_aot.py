@@ -115,6 +115,24 @@ def as_gpu():
     _as_gpu[0] = before
 
 
+def device_kind(target: str) -> str:
+  """The device kind of `target`'s GPU (its target description's), e.g. "NVIDIA H100 80GB HBM3"."""
+  return next(line.split(":", 1)[1].strip().strip('"') for line in target_config(target).splitlines()
+              if line.strip().startswith("device_description_str"))
+
+
+@contextlib.contextmanager
+def lowering_for(target: str):
+  """Inside it, kernels lower for `target`'s GPU ("h100", "a100") on a host with no GPU attached. From jax
+  0.12 on, Pallas's Triton lowering reads the GPU's compute capability from the abstract mesh's device,
+  which a `shard_map` over GPU devices sets but a plain `jit` of inputs on compile-only GPUs or a
+  `jax.export` for CUDA does not; this sets it (a mesh of no axes). Earlier jax reads the target from the
+  lowering; there it changes nothing."""
+  device = jax.sharding.AbstractDevice(device_kind=device_kind(target), num_cores=None, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+    yield
+
+
 def is_gpu(mesh_) -> bool:
   """Whether a mesh's devices are GPUs (real or compile-only; any mesh inside `as_gpu`)."""
   devs = getattr(mesh_, "devices", None)

@@ -61,7 +61,7 @@ def lowers(name: str, block: int, noisy: bool) -> bool:
   if importlib.util.find_spec("jax_triton") is None or importlib.util.find_spec("triton") is None:
     return False
   from pallas_kernels import triton_block_quant
-  return triton_block_quant.compute_capability() is not None
+  return triton_block_quant.incompatibility() is None and triton_block_quant.compute_capability() is not None
 
 
 def gpu_default(op: str, bits: int, block: int, rotate: bool = False, noisy: bool = False) -> str:
