@@ -200,13 +200,20 @@ def inputs(kind: str, n: int, bits: int, sharding):
   return [s((SLABS, vb), vdt), s((SLABS, n // BLOCK), jnp.float32)]
 
 
+def dump_options(path: str) -> dict:
+  """XLA options that write a compiled GPU program's thunks and PTX to `path`. jax 0.11 and later emit the
+  Pallas kernels as custom kernels (`kCustomKernel` thunks), whose PTX is written only with the LLVM IR dump
+  and every emitter's (`xla_gpu_dump_llvmir`, `xla_dump_emitter_re`); jax 0.10.2 writes it either way."""
+  return {"xla_dump_to": path, "xla_gpu_dump_llvmir": True, "xla_dump_emitter_re": ".*"}
+
+
 def measure(op: str, bits: int, backend: str, n: int, sharding) -> dict:
   """Compiles `op` for the H100 and reads its thunks and PTX (module docstring)."""
   fn, kind = op_fn(op, bits, backend)
   args = inputs(kind, n, bits, sharding)
   with tempfile.TemporaryDirectory() as d:
     lowered = jax.jit(fn).lower(*args)
-    lowered.compile(compiler_options={"xla_dump_to": d})
+    lowered.compile(compiler_options=dump_options(d))
     thunks = "".join(p.read_text() for p in pathlib.Path(d).glob("*thunk_sequence.txt"))
     bodies = {}
     for p in pathlib.Path(d).glob("*.ptx"):

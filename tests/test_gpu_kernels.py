@@ -345,7 +345,7 @@ def test_pallas_estimates_have_no_division_per_element(bits, tmp_path):
   `rcp.approx` per block; quantize, its rotated form, reorder_quantize and dequant_sum_quantize."""
   [x] = _on_one_gpu("h100", _est_x())
   jax.jit(lambda x: _estimate_ops(x, bits, "pallas")).lower(x).compile(
-      compiler_options={"xla_dump_to": str(tmp_path)})
+      compiler_options=_kernel_ptx().dump_options(str(tmp_path)))
   mix = {}
   for path in tmp_path.glob("*.ptx"):
     mix.update({k: c for k, c in instruction_mix(path.read_text()).items() if k.startswith("zerojax_")})
@@ -376,7 +376,7 @@ def test_xla_estimates_have_no_ieee_division(tmp_path):
   element thread touches: a single instruction, as XLA's own fp32 division was.)"""
   [x] = _on_one_gpu("h100", _est_x())
   jax.jit(lambda x: [_estimate_ops(x, b, "xla") for b in (8, 4)]).lower(x).compile(
-      compiler_options={"xla_dump_to": str(tmp_path)})
+      compiler_options=_kernel_ptx().dump_options(str(tmp_path)))
   mix = collections.Counter()
   for path in tmp_path.glob("*.ptx"):
     for c in instruction_mix(path.read_text()).values():
