@@ -1,5 +1,7 @@
 """The pieces behind train.py, in process: gin files and includes, the settings a resume keeps. (Every
 config's plan label: tests/test_plan_label.py.)"""
+import os
+
 import gin
 import pytest
 
@@ -78,21 +80,27 @@ def test_allow_changed_names_are_checked():
 
 
 def test_train_py_keeps_compiled_programs_unless_told_otherwise(monkeypatch, tmp_path):
-  """train.py turns JAX's persistent compilation cache on (a restart loads what it compiled before); '' turns
-  it off and JAX_COMPILATION_CACHE_DIR, where set, wins."""
+  """train.py turns JAX's persistent compilation cache on where it runs on an accelerator (a restart loads
+  what it compiled before), not on CPUs (reading an XLA:CPU program back can crash); a path turns it on
+  anywhere, '' off, and JAX_COMPILATION_CACHE_DIR, where set, wins."""
   import jax
   from zerojax.cli import train as cli
-  assert cli.parser().parse_args(["--workdir", "w"]).compilation_cache == cli.DEFAULT_CACHE
+  assert cli.parser().parse_args(["--workdir", "w"]).compilation_cache is None
   before = jax.config.jax_compilation_cache_dir
   try:
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    cli.set_compilation_cache(str(tmp_path / "cache"))
+    jax.config.update("jax_compilation_cache_dir", None)
+    cli.set_compilation_cache(None, accelerator=False)
+    assert jax.config.jax_compilation_cache_dir is None
+    cli.set_compilation_cache(None, accelerator=True)
+    assert jax.config.jax_compilation_cache_dir == os.path.expanduser(cli.DEFAULT_CACHE)
+    cli.set_compilation_cache(str(tmp_path / "cache"), accelerator=False)
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
     jax.config.update("jax_compilation_cache_dir", None)
-    cli.set_compilation_cache("")
+    cli.set_compilation_cache("", accelerator=True)
     assert jax.config.jax_compilation_cache_dir is None
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
-    cli.set_compilation_cache(str(tmp_path / "cache"))
+    cli.set_compilation_cache(str(tmp_path / "cache"), accelerator=True)
     assert jax.config.jax_compilation_cache_dir is None  # jax reads the environment's itself
   finally:
     jax.config.update("jax_compilation_cache_dir", before)

@@ -79,10 +79,11 @@ def parser(with_parameters: bool = False) -> argparse.ArgumentParser:
                   help="CPU devices in this process (default: JAX_NUM_CPU_DEVICES or XLA_FLAGS' "
                        f"--xla_force_host_platform_device_count if set, else {DEFAULT_DEVICES} on a "
                        "machine without an accelerator)")
-  ap.add_argument("--compilation_cache", default=DEFAULT_CACHE, metavar="DIR",
+  ap.add_argument("--compilation_cache", default=None, metavar="DIR",
                   help="JAX's persistent compilation cache: a restarted or resumed run loads its compiled "
-                       "programs instead of compiling them again (default "
-                       f"{DEFAULT_CACHE}; '' turns it off; JAX_COMPILATION_CACHE_DIR, where set, wins)")
+                       f"programs instead of compiling them again (default {DEFAULT_CACHE} on GPUs, off on "
+                       "CPUs, where reading a program back can crash the process; '' turns it off; "
+                       "JAX_COMPILATION_CACHE_DIR, where set, wins)")
   ap.add_argument("--verbose", action="store_true", help="print the traceback of errors")
   return ap
 
@@ -149,7 +150,7 @@ def _run(args) -> int:
   if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
     raise ConfigError(f"--workdir {args.workdir!r} is a file; pass a folder (created if missing)")
   devices = _set_device_count(args.devices)
-  set_compilation_cache(args.compilation_cache)
+  set_compilation_cache(args.compilation_cache, _has_accelerator())
   import jax
   from zerojax.train import config as config_lib, trainer
   from zerojax.train.signals import exit_code
@@ -190,11 +191,15 @@ def _event(text: str | None) -> dict | None:
   return event
 
 
-def set_compilation_cache(path: str) -> None:
+def set_compilation_cache(path: str | None, accelerator: bool) -> None:
   """JAX's persistent compilation cache in `path` (as MaxText's `jax_cache_dir`), unless the environment
-  names one (JAX_COMPILATION_CACHE_DIR) or `path` is ''. Programs that took over a second to compile are
-  kept: a supervisor's restart (docs/training.md, "When a node dies") and a resumed job skip the compile of
-  a program they ran before."""
+  names one (JAX_COMPILATION_CACHE_DIR) or `path` is ''. `None`: `DEFAULT_CACHE` where JAX will run on an
+  `accelerator`, none on CPUs: XLA:CPU executables read back from the cache can crash the process (a
+  segfault in `deserialize_executable`, seen in this project's test runs; jax-ml/jax#28908). Programs that
+  took over a second to compile are kept: a supervisor's restart (docs/training.md, "When a node dies") and
+  a resumed job skip the compile of a program they ran before."""
+  if path is None:
+    path = DEFAULT_CACHE if accelerator else ""
   if not path or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     return
   import jax
