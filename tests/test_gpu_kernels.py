@@ -35,6 +35,8 @@ KERNEL_OP = re.compile(r'op_name="[^"]*?(zerojax_[a-z_]+)/([^"]*)"')
 
 GPU_AOT_REASON = f"needs the jax CUDA plugin: {gpu_aot.PIP}"
 needs_plugin = pytest.mark.skipif(not gpu_aot.plugin_installed(), reason=GPU_AOT_REASON)
+
+
 def _jax_triton_lowers() -> bool:
   from pallas_kernels import triton_block_quant
   return bool(importlib.util.find_spec("jax_triton")) and triton_block_quant.incompatibility() is None
@@ -231,8 +233,7 @@ def test_gpu_default_is_the_measured_tables_fastest_that_lowers(monkeypatch):
   assert kernel_choice.gpu_default("quantize", 8, 100, rotate=False) == "xla"          # no compiled kernel: not a power of 2
   assert kernel_choice.gpu_default("quantize", 4, 256) == "xla"  # triton measured fastest, but no target capability known
   monkeypatch.setenv("ZEROJAX_TRITON_COMPUTE_CAPABILITY", "90")
-  from pallas_kernels import triton_block_quant
-  if importlib.util.find_spec("jax_triton") is not None and triton_block_quant.incompatibility() is None:
+  if _jax_triton_lowers():
     assert kernel_choice.gpu_default("quantize", 4, 256) == "triton"
     assert kernel_choice.gpu_default("quantize", 4, 256, noisy=True) == "xla"          # triton has no stochastic rounding
   assert kernel_choice.default_backend() == "xla"                                      # on this CPU host

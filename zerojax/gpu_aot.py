@@ -115,10 +115,11 @@ def as_gpu():
     _as_gpu[0] = before
 
 
-def device_kind(target: str) -> str:
-  """The device kind of `target`'s GPU (its target description's), e.g. "NVIDIA H100 80GB HBM3"."""
+def target_field(target: str, name: str) -> str:
+  """The value of field `name` in `target`'s description (`target_config`), unquoted: "device_description_str"
+  is the device kind (e.g. "NVIDIA H100 80GB HBM3"), "device_memory_size" its bytes."""
   return next(line.split(":", 1)[1].strip().strip('"') for line in target_config(target).splitlines()
-              if line.strip().startswith("device_description_str"))
+              if line.strip().startswith(name))
 
 
 @contextlib.contextmanager
@@ -128,7 +129,7 @@ def lowering_for(target: str):
   which a `shard_map` over GPU devices sets but a plain `jit` of inputs on compile-only GPUs or a
   `jax.export` for CUDA does not; this sets it (a mesh of no axes). Earlier jax reads the target from the
   lowering; there it changes nothing."""
-  device = jax.sharding.AbstractDevice(device_kind=device_kind(target), num_cores=None, platform="gpu")
+  device = jax.sharding.AbstractDevice(device_kind=target_field(target, "device_description_str"), num_cores=None, platform="gpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
     yield
 
@@ -196,8 +197,7 @@ def device_memory(mesh_, env=None) -> int | None:
   target = next((t for t in TARGETS if t in kind), None)
   if target is None:
     return None
-  size = next(int(line.split(":")[1]) for line in target_config(target).splitlines()
-              if line.strip().startswith("device_memory_size"))
+  size = int(target_field(target, "device_memory_size"))
   fraction = float((env if env is not None else os.environ).get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
   return int(size * fraction)
 
