@@ -129,7 +129,8 @@ def lowering_for(target: str):
   which a `shard_map` over GPU devices sets but a plain `jit` of inputs on compile-only GPUs or a
   `jax.export` for CUDA does not; this sets it (a mesh of no axes). Earlier jax reads the target from the
   lowering; there it changes nothing."""
-  device = jax.sharding.AbstractDevice(device_kind=target_field(target, "device_description_str"), num_cores=None, platform="gpu")
+  kind = target_field(target, "device_description_str")
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
     yield
 
