@@ -53,6 +53,24 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+  """At the end of each test module: drop what it compiled (jax's in-memory caches, and the module's own
+  caches of executors and reports, a `functools.cache` or a dict named `_cache`), so that a worker's memory
+  does not grow with the hundreds of programs a full run compiles (the persistent cache gives them back)."""
+  yield
+  import gc
+
+  import jax
+  for name, value in vars(request.module).items():
+    if callable(getattr(value, "cache_clear", None)):
+      value.cache_clear()
+    elif name.lower() == "_cache" and isinstance(value, dict):
+      value.clear()
+  jax.clear_caches()
+  gc.collect()
+
+
 CRASH_RERUNS = 1
 _crashed: dict[str, int] = {}
 
