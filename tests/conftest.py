@@ -73,6 +73,7 @@ def _release_compiled_programs(request):
 
 CRASH_RERUNS = 1
 _crashed: dict[str, int] = {}
+_crash_failed: set[str] = set()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -82,8 +83,13 @@ def pytest_handlecrashitem(crashitem, report, sched):
   once, on the fresh worker; a second crash fails it. The summary lists every test that crashed."""
   _crashed[crashitem] = _crashed.get(crashitem, 0) + 1
   if _crashed[crashitem] <= CRASH_RERUNS:
-    sched.mark_test_pending(crashitem)
-    report.outcome = "rerun"
+    try:
+      sched.mark_test_pending(crashitem)
+      report.outcome = "rerun"
+      return
+    except NotImplementedError:  # a --dist mode that cannot reschedule one test: it stays failed
+      pass
+  _crash_failed.add(crashitem)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -91,4 +97,4 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", "tests whose worker crashed (run again once)")
     for nodeid, n in sorted(_crashed.items()):
       terminalreporter.write_line(f"{nodeid}: {n} crash{'es' if n > 1 else ''}"
-                                  f"{'' if n <= CRASH_RERUNS else ' (failed)'}")
+                                  f"{' (failed)' if nodeid in _crash_failed else ''}")
