@@ -80,8 +80,6 @@ MOVED = frozenset({
     "tests/test_float8_grad.py::test_compiled_step_moves_one_byte_per_gradient_element",
     "tests/test_float8_grad.py::test_gradient_against_jax_grad_within_the_float8_bound",
     "tests/test_gpu_step.py::test_cpu_step_with_the_gpu_call_order_matches_single_device_grad[zero3]",
-    "tests/test_hf.py::test_logical_params_placement",
-    "tests/test_hf.py::test_the_wrapper_instead_of_its_module",
     "tests/test_mics.py::test_groups_replicas_and_2hop_sync_in_the_compiled_program[shape2-2]",
     "tests/test_mics.py::test_hierarchical_and_flat_plans_train_bitwise_alike",
     "tests/test_mics.py::test_sync_in_backward_gives_the_same_bits_and_one_all_reduce_per_unit[plan1-1]",

@@ -128,7 +128,7 @@ def test_train_never_starts_from_scratch_when_a_restore_is_requested(tmp_path):
   from zerojax.train import trainer
   (tmp_path / "empty").mkdir()
   gin.parse_config(["train.plan = @zero3()", "model_config.d_model = 32", "model_config.num_layers = 1",
-                    "model_config.seq_len = 16", "train.batch_size = 8", "train.max_data_bytes = 100000"])
+                    "model_config.seq_len = 16", "train.batch_size = 8"])
   try:
     with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in"):
       trainer.train(str(tmp_path / "run"), restore_from=str(tmp_path / "empty"))

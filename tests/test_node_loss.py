@@ -196,6 +196,7 @@ def test_agree_takes_the_latest_step_every_holder_has(tmp_path):
   for s in (3, 4, 5):
     os.makedirs(tmp_path / str(s))
     (tmp_path / str(s) / replica.META).write_text("{}")
+    np.savez(tmp_path / str(s) / replica.STATE)
   os.makedirs(tmp_path / ".tmp-6-1")
   assert replica.agree(str(tmp_path), False, 7) == (5, [True], 7)
   assert replica.agree(str(tmp_path), True, 7) is None

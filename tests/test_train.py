@@ -28,7 +28,7 @@ def test_train_writes_metrics_and_loss_falls(tmp_path, gin_file):
     (["train.steps=abc"], [], "cannot read the value abc (a string needs quotes"),
     (["zeropp.weight_bits=7", "train.steps=1"], [], "plan 'zeropp': weight_bits=7; use one of (None, 4, 8)"),
     (["train.batch_size=12"], [], "global batch size 12 is not divisible by the 8 devices"),
-    (["train.steps=1"], ["--data=/no/such/corpus"], "--data path '/no/such/corpus' does not exist; pass a text file"),
+    (["train.steps=1"], ["--data=/no/such/corpus"], "--data path '/no/such/corpus' does not exist; pass a token file (.bin, .npy), a folder of them, or text"),
     ([], ["--gin_file=configs/zero4.gin"], "--gin_file 'configs/zero4.gin' does not exist (looked in"),
     ([], ["--allow_changed=model_config.d_model"], "--allow_changed=model_config.d_model: the model"),
 ])

@@ -104,3 +104,38 @@ def test_train_py_keeps_compiled_programs_unless_told_otherwise(monkeypatch, tmp
     assert jax.config.jax_compilation_cache_dir is None  # jax reads the environment's itself
   finally:
     jax.config.update("jax_compilation_cache_dir", before)
+
+
+@pytest.mark.parametrize("settings,expect", [
+    ({"steps": -5}, "train.steps=-5 must be at least 1"),
+    ({"steps": 0}, "train.steps=0 must be at least 1"),
+    ({"batch_size": 0}, "train.batch_size=0 must be at least 1"),
+    ({"checkpoint_every": -1},
+     "train.checkpoint_every=-1 must be at least 0 (0: only at the end and on SIGINT/SIGTERM)"),
+    ({"eval_every": -2}, "train.eval_every=-2 must be at least 0 (0: only at the end)"),
+    ({"log_every": 0}, "train.log_every=0 must be at least 1"),
+    ({"accum_steps": 0, "replica_every": 0},
+     "train.accum_steps=0 must be at least 1; train.replica_every=0 must be at least 1"),
+    ({"keep_checkpoints": 0}, "train.keep_checkpoints=0 must be at least 1"),
+    ({"steps": 2.5}, "train.steps=2.5 must be a whole number"),
+    ({"eval_batches": True}, "train.eval_batches=True must be a whole number"),
+    ({"steps": None}, "train.steps=None must be a whole number"),
+])
+def test_run_settings_out_of_range_are_one_line(settings, expect):
+  with pytest.raises(config.ConfigError) as e:
+    config.check_run_settings(**{"steps": 10, "batch_size": 8, **settings})
+  assert str(e.value).startswith(expect) and "\n" not in str(e.value)
+
+
+def test_run_settings_in_range_pass():
+  config.check_run_settings(steps=1, batch_size=1, accum_steps=1, checkpoint_every=0, keep_checkpoints=None,
+                            eval_every=0, eval_batches=1, log_every=1, max_consecutive_skips=1, replica_every=1,
+                            num_nodes=None, pad_multiple=None, seed=-3, workdir="/w", plan=object())  # others ignored
+
+
+def test_train_py_refuses_a_negative_step_count_in_one_line(capsys, monkeypatch, tmp_path):
+  """train.steps=-5 used to exit 0 as "finished"; trainer.train checks its counts first."""
+  from tests.train_helpers import command, error_line_of, run_main
+  code, _, err = run_main(command(tmp_path / "run", "train.steps=-5")[2:], capsys, monkeypatch)
+  assert code == 2 and "train.steps=-5 must be at least 1" in error_line_of(err)
+  assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")

@@ -30,7 +30,7 @@ def run(cwd, *args):
   cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args, "--gin_file=configs/zero3.gin"]
   cmd += [f"--gin_param={p}" for p in ["model_config.seq_len=16", "train.batch_size=8", "train.steps=3",
                                        "train.checkpoint_every=2", "train.eval_every=3", "train.eval_batches=1",
-                                       "train.progress=False", "train.max_data_bytes=200000"]]
+                                       "train.progress=False"]]
   return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=600)
 
 

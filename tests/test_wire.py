@@ -272,7 +272,7 @@ def _leftovers() -> list[str]:
 
 
 TINY_GIN = ["model_config.num_layers=1", "model_config.d_model=32", "model_config.seq_len=16",
-            "model_config.num_heads=2", "train.batch_size=8", "train.max_data_bytes=200000",
+            "model_config.num_heads=2", "train.batch_size=8",
             "train.eval_batches=1"]
 
 

@@ -16,8 +16,7 @@ from tests import helpers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model_config.d_model=32", "model_config.num_layers=2", "model_config.seq_len=32",
-        "train.batch_size=8", "train.eval_every=5", "train.eval_batches=1", "train.progress=False",
-        "train.max_data_bytes=2000000"]
+        "train.batch_size=8", "train.eval_every=5", "train.eval_batches=1", "train.progress=False"]
 
 
 def command(workdir, *params, gin_file="configs/zero3.gin", extra=(), tiny=True) -> list[str]:
@@ -70,7 +69,7 @@ TRAIN_STEPS = 20
 
 GIN = ["model_config.d_model=32", "model_config.num_layers=2", "model_config.seq_len=32", "train.batch_size=8",
        f"train.steps={TRAIN_STEPS}", "train.checkpoint_every=4", "train.keep_checkpoints=2",
-       "train.eval_every=0", "train.progress=False", "train.max_data_bytes=1000000"]
+       "train.eval_every=0", "train.progress=False"]
 
 
 def start_train(workdir, gin_file="configs/zero3.gin", gin=tuple(GIN)):

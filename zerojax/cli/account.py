@@ -42,13 +42,13 @@ def gin_train_args(gin_files: list[str], gin_params: list[str]) -> dict:
 
 def build_executor(args: dict, nodes: int, devices=None):
   """`train`'s executor for its arguments `args` on `nodes` nodes of `devices` (default `jax.devices()`);
-  returns it with `args` and the model config."""
+  returns it with `args` and the model's config (`GPTConfig` or `LlamaConfig`)."""
   from zerojax.train import trainer
 
   shared = [k for k in inspect.signature(trainer.build).parameters
             if k not in ("plan", "num_nodes", "devices") and k in args]
   ex = trainer.build(args["plan"], nodes, devices=devices, **{k: args[k] for k in shared})
-  return ex, args, trainer.model_config()
+  return ex, args, trainer.model_spec(args.get("architecture", "gpt"), args.get("init_from")).config
 
 
 def gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):

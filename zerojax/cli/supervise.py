@@ -8,14 +8,17 @@ Each node is one train.py process with `--devices` CPU devices and its own folde
 (`--replica_root`); the arguments after `--` go to every train.py. `--kill NODE@STEP` SIGKILLs that
 node's process once step STEP is logged; `--restart_after SECONDS` starts a lost node again that long
 after its loss, as a cluster manager would. Exits with the run's status (0: finished; 1: stopped, with
-one line saying why and where it resumes). On a cluster, run the same supervisor with a `launch` that
-starts the node's process on its host (`benchmarks/cluster.py` starts them in network namespaces).
+one line saying why and where it resumes; 2: every node's train.py stopped with a usage error, whose line
+it prints). Ctrl-C, SIGTERM or SIGHUP: the nodes finish their step and save a checkpoint (SIGKILL after
+--stop_grace seconds, or at once on a second signal); exits 130 / 143 / 129. On a cluster, run the same
+supervisor with a `launch` that starts the node's process on its host (`benchmarks/cluster.py` starts
+them in network namespaces).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import signal
+import re
 import subprocess
 import sys
 
@@ -37,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--restart_after", type=float, default=None, metavar="SECONDS",
                   help="start a lost node again this long after its loss (default: never)")
   ap.add_argument("--logs", default=None, help="folder for each process's output (default WORKDIR/logs)")
+  ap.add_argument("--stop_grace", type=float, default=120, metavar="SECONDS",
+                  help="on Ctrl-C, SIGTERM or SIGHUP (and before a rejoin), seconds the nodes get to save "
+                       "before they are SIGKILLed")
   ap.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train.py's arguments")
   return ap
 
@@ -79,12 +85,23 @@ def main(argv=None) -> int:
 
   sup = supervisor_lib.Supervisor(args.nodes, launch, workdir, lambda n: os.path.join(root, f"node{n}"),
                                   restart_after=args.restart_after, kill_at=kill_at,
-                                  log=lambda m: print(m, flush=True))
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+                                  log=lambda m: print(m, flush=True), stop_grace_s=args.stop_grace,
+                                  error_line=lambda n: error_line(os.path.join(logs, f"node{n}.log")))
   try:
-    return sup.run()
-  except KeyboardInterrupt:
+    return sup.run()  # passes SIGINT, SIGTERM and SIGHUP on to the nodes
+  except KeyboardInterrupt:  # before the supervisor took the signal over
     return 130
+
+
+def error_line(log: str) -> str | None:
+  """The last `error:` line train.py printed in the latest generation of a node's log."""
+  try:
+    with open(log, errors="replace") as f:
+      text = f.read()
+  except OSError:
+    return None
+  last = text.rsplit("\n--- generation ", 1)[-1].splitlines()
+  return next((l.strip() for l in reversed(last) if re.search(r"\berror: ", l)), None)
 
 
 if __name__ == "__main__":

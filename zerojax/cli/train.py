@@ -6,6 +6,7 @@ Your own model instead of the GPT: --model=path/to/my_model.py:build, a function
 `build(vocab_size, seq_len)` returning a zerojax.Model whose loss takes [batch, seq_len + 1] byte tokens.
 
 Resumes from the latest checkpoint in DIR/checkpoints; --restore_from=OTHER starts from another run's.
+One run per workdir: a second one started in DIR stops with one line naming the first's host and pid.
 Ctrl-C or SIGTERM: finish the step, save a checkpoint, exit 130 / 143 (press Ctrl-C twice to exit at
 once). Config, data and checkpoint errors print one line and exit 2 (--verbose: with the traceback).
 
@@ -52,10 +53,19 @@ def parser(with_parameters: bool = False) -> argparse.ArgumentParser:
                   help="train your own model: a function `FUNCTION(vocab_size, seq_len)` in FILE.py (or "
                        "package.module:FUNCTION) returning a zerojax.Model whose loss takes [batch, seq_len + 1] "
                        "int32 byte tokens (sets train.model; default: the built-in GPT)")
-  ap.add_argument("--data", default=None, help="text file or folder (default: Python stdlib sources)")
+  ap.add_argument("--data", default=None,
+                  help="a token file (.bin, .npy; python -m zerojax.cli.tokenize writes one with its sidecar), a "
+                       "folder of them, or text (a file or folder, read as bytes); default: the Python stdlib's "
+                       "sources (docs/data.md)")
+  ap.add_argument("--eval_data", default=None,
+                  help="held-out data of the same kind as --data (default: the last 5%% of --data)")
   ap.add_argument("--restore_from", default=None,
                   help="workdir or checkpoint folder to start from when --workdir has no checkpoint yet "
                        "(any mesh, process count or plan; same model and optimizer)")
+  ap.add_argument("--start_over", action="store_true",
+                  help="when every checkpoint in --workdir was set aside as damaged (<step>.damaged-<time>), "
+                       "start over (from step 0, or from --restore_from) instead of stopping; the damaged "
+                       "folders stay for inspection")
   ap.add_argument("--allow_changed", action="append", default=[], metavar="NAME[,NAME]",
                   help="settings that may differ from the checkpoint's on resume, e.g. train.steps or "
                        "train.batch_size (the model never may)")
@@ -136,10 +146,10 @@ def _quiet() -> None:
 
 
 def _run(args) -> int:
-  for flag in ("data", "restore_from"):
+  for flag in ("data", "eval_data", "restore_from"):
     path = getattr(args, flag)
     if path is not None and not os.path.exists(path):
-      kind = "a text file or a folder of text files" if flag == "data" else \
+      kind = "a token file (.bin, .npy), a folder of them, or text" if flag != "restore_from" else \
           "the workdir of a run that saved checkpoints, or its checkpoints/ folder"
       raise ConfigError(f"--{flag} path {path!r} does not exist; pass {kind}")
   if not args.gin_file and not any(p.replace(" ", "").startswith("train.plan=") for p in args.gin_param):
@@ -149,10 +159,10 @@ def _run(args) -> int:
     raise ConfigError("--join and --event go with --replica_dir (the node's own folder); add it or drop them")
   if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
     raise ConfigError(f"--workdir {args.workdir!r} is a file; pass a folder (created if missing)")
-  devices = _set_device_count(args.devices)
+  devices = set_device_count(args.devices)
   set_compilation_cache(args.compilation_cache, _has_accelerator())
   import jax
-  from zerojax.train import config as config_lib, trainer
+  from zerojax.train import config as config_lib, trainer, workdir_lock
   from zerojax.train.signals import exit_code
   allowed = config_lib.check_allowed(args.allow_changed)  # before any slow start
   launcher = any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
@@ -168,11 +178,13 @@ def _run(args) -> int:
   if jax.process_index() == 0 and devices:
     print(f"zerojax: {jax.local_device_count()} CPU devices per process ({devices})", flush=True)
   node_copy = None
-  if args.replica_dir:
-    from zerojax.train.replica import NodeCopy
-    node_copy = NodeCopy(os.path.abspath(args.replica_dir), args.join, _event(args.event))
-  summary = trainer.train(args.workdir, args.data, restore_from=args.restore_from, allow_changed=allowed,
-                          node_copy=node_copy)
+  with workdir_lock.hold(args.workdir):  # one run per workdir, held by process 0 until the run ends
+    if args.replica_dir:
+      from zerojax.train import replica
+      node_copy = replica.NodeCopy(os.path.abspath(args.replica_dir), args.join, _event(args.event))
+      replica.claim(node_copy.directory, replica.run_id(args.workdir))  # another run's copies are not used
+    summary = trainer.train(args.workdir, args.data, restore_from=args.restore_from, allow_changed=allowed,
+                            node_copy=node_copy, eval_data=args.eval_data, start_over=args.start_over)
   if jax.process_index() == 0:
     print(json.dumps(summary))
   stopped = summary.get("stopped_by")
@@ -206,7 +218,7 @@ def set_compilation_cache(path: str | None, accelerator: bool) -> None:
   jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
 
 
-def _set_device_count(devices: int | None) -> str | None:
+def set_device_count(devices: int | None) -> str | None:
   """Sets the CPU device count: `--devices`, else what the user's environment says, else 8 on a machine
   without an accelerator. Returns where the count came from (None: the accelerator's devices)."""
   import jax
@@ -290,7 +302,7 @@ def parameters_help() -> str:
       default = "REQUIRED" if p.default is gin.REQUIRED or p.default is p.empty else repr(p.default)
       rows.append((f"{prefix}.{name} = {default}", docs.get(name, "")))
 
-  add("train", trainer.train, skip=("workdir", "data", "restore_from", "allow_changed"))
+  add("train", trainer.train, skip=("workdir", "data", "eval_data", "restore_from", "allow_changed", "start_over"))
   add("model_config", trainer.model_config)
   add("make_optimizer", make_optimizer, skip=("total_steps",))
   add("zeropp", plan_lib.zeropp, docs={"weight_bits": "qwZ: bits of the forward weight gather (None: off)",

@@ -128,8 +128,26 @@ def specs(layout: Layout, axes: tuple[str, ...]):
 
 
 def to_flat(params: dict, layout: Layout, mesh: Mesh, axes: tuple[str, ...], dtype=jnp.float32) -> dict:
-  """Logical params -> flat padded global arrays sharded over `axes`."""
+  """Logical params -> flat padded global arrays sharded over `axes`.
+
+  Host (numpy) params are cut on the host and each device is sent its own chunk only
+  (`jax.make_array_from_callback`), so no device holds a whole leaf (e.g. a checkpoint read from disk);
+  jax arrays are flattened by a jitted program.
+  """
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(layout, axes))
+  if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params)):
+    def host_leaf(x, lay, sharding):
+      flat = np.asarray(x).reshape((lay.layers, lay.size) if lay.layers is not None else (lay.size,))
+
+      def chunk(index):  # this device's slice of the padded leaf, cut and cast alone
+        *lead, last = index
+        start, stop, _ = last.indices(lay.padded)
+        part = np.zeros(flat[tuple(lead)].shape[:-1] + (stop - start,), dtype)
+        part[..., :max(min(stop, lay.size) - start, 0)] = flat[tuple(lead) + (slice(start, min(stop, lay.size)),)]
+        return part
+      shape = flat.shape[:-1] + (lay.padded,)
+      return jax.make_array_from_callback(shape, sharding, chunk)
+    return jax.tree.map(host_leaf, params, layout.tree(), shardings, is_leaf=is_layout)
   fn = lambda p: jax.tree.map(lambda x, l: flatten_leaf(x.astype(dtype), l), p, layout.tree())
   return jax.jit(fn, out_shardings=shardings)(params)
 

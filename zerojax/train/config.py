@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import json
 import os
 import re
 
@@ -128,7 +129,7 @@ def write(path: str, header: str) -> None:
 # -- the settings a resume keeps -----------------------------------------------------------------------
 
 # Settings that make another model or optimizer state: a checkpoint never continues under other values.
-FIXED = ("model_config.", "train.model", "make_optimizer.name")
+FIXED = ("model_config.", "llama_config.", "train.architecture", "train.model", "make_optimizer.name")
 # The schedule depends on these (make_optimizer.total_steps is train.steps).
 SCHEDULE = ("train.steps", "make_optimizer.learning_rate", "make_optimizer.warmup_steps")
 
@@ -140,21 +141,53 @@ def optimizer_settings() -> dict:
   return {f"make_optimizer.{k}": v for k, v in values.items()}
 
 
-def run_settings(model, *, steps: int, batch_size: int, accum_steps: int, user_model: str | None = None) -> dict:
-  """The settings recorded in each checkpoint: gin names to JSON values (`train.model` only when set, so
-  checkpoints of the built-in GPT compare as before)."""
-  out = {f"model_config.{k}": v for k, v in dataclasses.asdict(model).items()}
+def run_settings(model: dict, *, steps: int, batch_size: int, accum_steps: int, user_model: str | None = None) -> dict:
+  """The settings recorded in each checkpoint: gin names to JSON values (`model`: the model's, e.g.
+  `ModelSpec.settings()`; `train.model` only when set, so checkpoints of the built-in GPT compare as before)."""
+  out = dict(model)
   if user_model is not None:
     out["train.model"] = user_model
   out.update({"train.steps": steps, "train.batch_size": batch_size, "train.accum_steps": accum_steps})
   out.update(optimizer_settings())
-  return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+  return json.loads(json.dumps(out))  # as a checkpoint reads them back: tuples are lists
 
 
 def changeable() -> set[str]:
   """Settings `--allow_changed` may name."""
   return {"train.steps", "train.batch_size", "train.accum_steps"} | {
       k for k in optimizer_settings() if not k.startswith(FIXED)}
+
+
+# `train`'s counts: the least each may be, what 0 means where it is allowed, and whether None is allowed.
+RUN_COUNTS = {
+    "steps": (1, None, False), "batch_size": (1, None, False), "accum_steps": (1, None, False),
+    "checkpoint_every": (0, "only at the end and on SIGINT/SIGTERM", False), "keep_checkpoints": (1, None, True),
+    "eval_every": (0, "only at the end", False), "eval_batches": (1, None, False), "log_every": (1, None, False),
+    "max_consecutive_skips": (1, None, False), "max_data_bytes": (1, None, True), "replica_every": (1, None, False),
+    "num_nodes": (1, None, True), "pad_multiple": (1, None, True), "seed": (None, None, False),
+}
+
+
+def check_run_settings(**settings) -> None:
+  """Checks `train`'s counts (`RUN_COUNTS`: steps, batch size, the intervals, ...) before anything runs;
+  names it does not know are ignored, so `check_run_settings(**dict(locals()))` works in `train`.
+
+  Raises:
+    ConfigError: one line naming every value out of range, e.g. "train.steps=-5 must be at least 1".
+  """
+  bad = []
+  for name, (least, zero, none_ok) in RUN_COUNTS.items():
+    if name not in settings:
+      continue
+    v = settings[name]
+    if v is None and none_ok:
+      continue
+    if isinstance(v, bool) or not isinstance(v, int):
+      bad.append(f"train.{name}={v!r} must be a whole number" + (" or None" if none_ok else ""))
+    elif least is not None and v < least:
+      bad.append(f"train.{name}={v} must be at least {least}" + (f" (0: {zero})" if zero else ""))
+  if bad:
+    raise ConfigError("; ".join(bad) + "; fix the config or --gin_param")
 
 
 def check_allowed(names) -> set[str]:

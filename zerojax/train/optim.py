@@ -1,6 +1,8 @@
 """Optimizers for flat ZeRO shards: optax chains with decoupled weight decay masked by leaf name."""
 from __future__ import annotations
 
+import inspect
+
 import gin
 import jax
 import optax
@@ -16,6 +18,20 @@ def decay_mask(params) -> dict:
   def is_decayed(path, _):
     return path_names(path)[-1] in DECAYED
   return jax.tree_util.tree_map_with_path(is_decayed, params)
+
+
+def warmup_cosine(learning_rate: float, warmup_steps: int, total_steps: int):
+  """Linear warmup from 0 to `learning_rate`, then a cosine decay to a tenth of it at `total_steps`."""
+  return optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
+                                            max(total_steps, warmup_steps + 1), learning_rate * 0.1)
+
+
+def make_schedule(total_steps: int):
+  """The learning rate `make_optimizer` (as gin configures it) applies at each update (0-based)."""
+  bound = dict(gin.get_bindings("make_optimizer"))
+  defaults = {k: p.default for k, p in inspect.signature(make_optimizer).parameters.items()}
+  get = lambda k: bound.get(k, defaults[k])
+  return warmup_cosine(get("learning_rate"), get("warmup_steps"), total_steps)
 
 
 @gin.configurable
@@ -36,8 +52,7 @@ def make_optimizer(name: str = "adamw", learning_rate: float = 3e-3, warmup_step
     b1: first-moment decay (adamw, lion) or momentum (sgd).
     b2: second-moment decay (adamw, lion).
   """
-  schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
-                                                max(total_steps, warmup_steps + 1), learning_rate * 0.1)
+  schedule = warmup_cosine(learning_rate, warmup_steps, total_steps)
   if name == "adamw":
     opt = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask)
   elif name == "lion":

@@ -5,8 +5,14 @@ Plans that hold a full replica of the model states on every node (MiCS with a gr
 or without Radius; DiLoCo over it; data parallelism) lose nothing the survivors do not hold when a node
 dies. Each process writes its node's part of the logical train state (`zerojax.train.state_spec`): every
 leaf that is the same on every node, and its own row of each leaf held one row per node (DiLoCo's
-replicas, Radius's residuals). A write goes to a temporary folder renamed to `<step>` when complete, so a
-failure while writing leaves the previous copies as they were; the last `keep` are kept.
+replicas, Radius's residuals). A write goes to a temporary folder whose files and folder are fsynced, then
+renamed to `<step>` (an earlier copy of that step is renamed away first and removed after), so a failure
+while writing leaves the previous copies as they were; the last `keep` are kept.
+
+Copies are data, never code (`np.load` without pickles). Each records the run it belongs to (`run_id`:
+the workdir's, written there by the run's first start; `claim` stamps the node's folder with it): a start
+uses only its own run's copies that read completely, falling back to an older copy, then to the
+checkpoint (`agree`).
 
 A restart with another number of nodes (`restore`) takes each leaf that is the same on every node from
 one holder (the newcomers receive it over the interconnect: a masked sum over the nodes, exact), and
@@ -23,7 +29,8 @@ Plans that shard a model state across nodes (ZeRO-3, ZeRO++, MiCS groups spannin
 replica per node; `unsupported` says why.
 
   DIR/<step>/state.npz   this node's logical arrays, keyed like the checkpoint's leaves ("params/...")
-  DIR/<step>/meta.json   step, node, nodes, plan and the run's meta (seed, first loss, settings)
+  DIR/<step>/meta.json   step, node, nodes, plan, run id and the run's meta (seed, first loss, settings)
+  DIR/run_id             the run whose copies the folder holds (`claim`)
 """
 from __future__ import annotations
 
@@ -31,7 +38,10 @@ import dataclasses
 import json
 import os
 import shutil
-from typing import Sequence
+import uuid
+import zipfile
+import zlib
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +49,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.mesh import AXES
+from zerojax.planner.agree import from_process0
 from zerojax.train.state_spec import SEP, CheckpointError, logical_state, new_row, seed_params, state_spec_of
 
 NODE = AXES[0]
-STATE, META, RUN = "state.npz", "meta.json", "run.json"
+STATE, META, RUN, RUN_ID = "state.npz", "meta.json", "run.json", "run_id"
+# What reading a truncated, cut or garbled copy raises (np.load never unpickles: a copy is data)
+LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +75,74 @@ class NodeCopy:
 def write_run(directory: str, **fields) -> None:
   """`directory/run.json`: the plan and whether it holds a replica per node (read by the supervisor)."""
   os.makedirs(directory, exist_ok=True)
-  tmp = os.path.join(directory, f".{RUN}.{os.getpid()}")
+  _write(os.path.join(directory, RUN), json.dumps(fields))
+
+
+def _write(path: str, text: str) -> None:
+  """`text` to `path` atomically and durably: a temporary file, fsynced, renamed, the folder fsynced."""
+  tmp = f"{os.path.join(os.path.dirname(path), '.' + os.path.basename(path))}.{os.getpid()}"
   with open(tmp, "w") as f:
-    json.dump(fields, f)
-  os.replace(tmp, os.path.join(directory, RUN))
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  _fsync(os.path.dirname(path))
+
+
+def _fsync(path: str) -> None:
+  """Flushes a file, or a folder's entries (its renames), to the disk."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def run_id(workdir: str) -> str:
+  """The run's id, the same on every process and at every start in `workdir`: `WORKDIR/run_id`, written by
+  process 0 at the first start (a fresh workdir is a new run, whatever folders its nodes had)."""
+  value = None
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, RUN_ID)
+    try:
+      with open(path) as f:
+        value = f.read().strip()
+    except FileNotFoundError:
+      pass
+    if not value:
+      value = uuid.uuid4().hex[:16]
+      os.makedirs(workdir, exist_ok=True)
+      _write(path, value)
+  return from_process0(value)
+
+
+def owner(directory: str | None) -> str | None:
+  """The run whose copies `directory` holds (`claim`), or None."""
+  try:
+    with open(os.path.join(directory, RUN_ID)) as f:
+      return f.read().strip() or None
+  except (OSError, TypeError):
+    return None
+
+
+def claim(directory: str, run: str, warn: Callable[[str], None] = print) -> None:
+  """Makes `directory` the folder of run `run`'s copies; copies of another run there (an earlier run's,
+  left on the node's disk) are said in one line, never restored, and replaced as this run writes."""
+  os.makedirs(directory, exist_ok=True)
+  theirs = {}
+  for s in steps(directory):
+    try:
+      other = read_meta(directory, s).get("run")
+    except (OSError, ValueError):
+      continue  # unreadable: `agree` says so
+    if other != run:
+      theirs.setdefault(str(other), []).append(s)
+  if theirs:
+    warn(f"zerojax: warning: --replica_dir {directory} holds node copies of another run (run "
+         f"{', '.join(f'{r}: steps {v}' for r, v in theirs.items())}; this run is {run}): they are not used, "
+         "and are replaced as this run writes its own")
+  if owner(directory) != run:
+    _write(os.path.join(directory, RUN_ID), run)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -134,30 +211,62 @@ def save(executor, state, directory: str, node: int, keep: int = 2, **meta) -> s
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
   np.savez(os.path.join(tmp, STATE), **arrays)
-  info = {"step": step, "node": node, "nodes": int(executor.mesh.shape[NODE]), "plan": executor.plan.name, **meta}
+  info = {"step": step, "node": node, "nodes": int(executor.mesh.shape[NODE]), "plan": executor.plan.name,
+          "run": owner(directory), **meta}
   with open(os.path.join(tmp, META), "w") as f:
     json.dump(info, f)
+  for name in (STATE, META, ""):  # the files, then the folder's entries
+    _fsync(os.path.join(tmp, name))
   final = os.path.join(directory, str(step))
-  shutil.rmtree(final, ignore_errors=True)
+  old = os.path.join(directory, f".old-{step}-{os.getpid()}")
+  if os.path.exists(final):  # this step written before (a restart): renamed away, removed once replaced
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(final, old)
   os.rename(tmp, final)
+  _fsync(directory)
   done = steps(directory)
   for s in [s for s in done if s > step] + [s for s in done if s <= step][:-keep]:
     shutil.rmtree(os.path.join(directory, str(s)), ignore_errors=True)
-  for d in os.listdir(directory):  # temporaries of earlier processes that died while writing
-    if d.startswith(".tmp-") and d != os.path.basename(tmp):
+  for d in os.listdir(directory):  # the replaced copy; temporaries of earlier processes that died while writing
+    if d.startswith((".tmp-", ".old-")) and d != os.path.basename(tmp):
       shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
   return final
 
 
-def agree(directory: str | None, joining: bool, seed: int, slots: int = 8):
+def unusable(directory: str, step: int, run: str | None) -> str | None:
+  """Why the copy of `step` in `directory` cannot be restored (None: it can): it is of another run than
+  `run`, or a file of it is missing, truncated or fails to decode. Reads the whole copy (each array's
+  CRC is checked), one array at a time."""
+  try:
+    meta = read_meta(directory, step)
+    if meta.get("run") != run:
+      return f"it belongs to run {meta.get('run')}, not to this run ({run})"
+    with np.load(os.path.join(directory, str(step), STATE)) as f:
+      for key in f.files:
+        f[key]
+  except LOAD_ERRORS as e:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+  return None
+
+
+def agree(directory: str | None, joining: bool, seed: int, slots: int = 8, warn: Callable[[str], None] = print):
   """On every process at start: the latest step every holder's folder has (a holder: a process with
-  copies that is not `joining`), which processes hold it, and the data seed of the first holder.
+  copies that is not `joining`), which processes hold it, and the data seed of the first holder. A copy
+  counts only when it is of the folder's run (`claim`) and reads completely (`unusable`); one that does
+  not is said in one line, and an older copy, or the checkpoint, is used instead.
 
   Returns:
     `(step, held, seed)` (`held[p]` for process p), or None when no process holds a copy or the holders
     share no step (then the run starts from its checkpoint).
   """
-  mine = [] if joining else steps(directory)[-slots:]
+  mine, run = [], owner(directory)
+  for s in ([] if joining else steps(directory)[-slots:]):
+    why = unusable(directory, s, run)
+    if why is None:
+      mine.append(s)
+    elif not why.startswith("it belongs to run"):  # another run's copies were said by `claim`
+      warn(f"zerojax: warning: the node copy {os.path.join(directory, str(s))} cannot be read ({why}); using an "
+           "earlier copy or the checkpoint")
   vec = np.full((slots + 2,), -1, np.int64)
   vec[0], vec[1] = int(bool(mine)), seed
   vec[2:2 + len(mine)] = mine
@@ -199,7 +308,7 @@ def restore(executor, step: int, held: Sequence[bool], folders: dict[int, str]):
       try:
         with np.load(os.path.join(where, STATE)) as f:
           loaded[node] = {k: f[k] for k in f.files}
-      except (OSError, ValueError, KeyError) as e:
+      except LOAD_ERRORS as e:
         raise CheckpointError(f"the node copy {where} cannot be read ({type(e).__name__}: {e}); "
                               "remove that folder to restart from an earlier copy or the checkpoint") from e
     return loaded[node]

@@ -59,7 +59,11 @@ class RunLog:
     self._file.flush()
     step = row["step"]
     for key, tag in (("loss", "train/loss"), ("eval_loss", "eval/loss"), ("grad_norm", "train/grad_norm"),
-                     ("tokens_per_s", "perf/tokens_per_s"), ("step_time_s", "perf/step_time_s"),
+                     ("learning_rate", "train/learning_rate"), ("tokens_per_s", "perf/tokens_per_s"),
+                     ("step_time_s", "perf/step_time_s"), ("data_wait_s", "perf/data_wait_s"),
+                     ("model_tflops_per_device", "perf/model_tflops_per_device"), ("mfu", "perf/mfu"),
+                     ("device_bytes_in_use", "memory/device_bytes_in_use"),
+                     ("device_peak_bytes", "memory/device_peak_bytes"),
                      ("skipped", "train/skipped_steps"), ("nodes", "cluster/nodes")):
       if key in row:
         self._tb.add_scalar(tag, row[key], step)

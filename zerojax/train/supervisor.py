@@ -15,6 +15,12 @@ manager runs on the node's host. Each membership change is passed to the next st
 --event`), whose first logged step records it in metrics.jsonl (time to detect, time to resume, steps
 lost; `zerojax.train.report.membership`).
 
+SIGINT, SIGTERM and SIGHUP to the supervisor (`run`) are passed on to the trainers (SIGHUP as SIGTERM),
+which finish their step and save a checkpoint; those still running after `stop_grace_s` are SIGKILLed,
+as they are at once on a second signal. When every process of a generation exits with status 2 (a
+usage error: a bad config or flag, a refused checkpoint, a workdir in use), the run stops with that
+process's own `error:` line, not as a node loss (`error_line`).
+
 References:
   torchft (replica groups that leave and rejoin, a recovering group taking a healthy peer's weights).
   DiLoCo, Douillard et al. 2023, §3 (workers leaving and joining).
@@ -26,10 +32,14 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from typing import Callable
 
 from zerojax.train import replica as replica_lib, report
+
+USAGE = 2  # train.py's exit status for what the user can fix (config, data, checkpoint, disk)
+FORWARD = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,17 +82,23 @@ class Supervisor:
     restart_after: seconds after a loss at which the lost node is started again (None: only `ready`).
     kill_at: node -> step: SIGKILL that node's process once the lead logged the step (fault injection).
     log: prints one line.
-    stop_grace_s: seconds the processes get to stop on SIGTERM before a rejoin.
+    stop_grace_s: seconds the processes get to stop on SIGTERM (before a rejoin, or when the supervisor
+      is stopped by a signal) before they are SIGKILLed.
     finish_s: seconds the survivors get after a loss to finish writing their copies before the SIGKILL.
+    error_line: node -> the `error:` line its process printed last (e.g. from its log), or None.
+    usage_wait_s: after a process exits with status 2, seconds the others get to exit alike (a usage
+      error every process meets) before the exit is taken for a node loss.
   """
 
   def __init__(self, nodes: int, launch: Callable[[Start], subprocess.Popen], workdir: str,
                replica_dir: Callable[[int], str], restart_after: float | None = None,
                kill_at: dict[int, int] | None = None, log: Callable[[str], None] = print, stop_grace_s: float = 120,
-               finish_s: float = 1.0):
+               finish_s: float = 1.0, error_line: Callable[[int], str | None] | None = None,
+               usage_wait_s: float = 20.0):
     self.nodes, self.launch, self.workdir, self.replica_dir = nodes, launch, workdir, replica_dir
     self.restart_after, self.kill_at, self.log, self.stop_grace_s = restart_after, dict(kill_at or {}), log, stop_grace_s
-    self.finish_s = finish_s
+    self.finish_s, self.error_line, self.usage_wait_s = finish_s, error_line, usage_wait_s
+    self.interrupted = 0                  # the signal that stops the run (`interrupt`), or 0
     self.procs: dict[int, subprocess.Popen] = {}
     self.members: list[int] = []
     self.generation = -1
@@ -165,13 +181,18 @@ class Supervisor:
     exit status when it is over (0: finished), else None."""
     if self.status is not None:
       return self.status
+    if self.interrupted:
+      return self._stop_on_signal()
     codes = {n: p.poll() for n, p in self.procs.items()}
     if all(c == 0 for c in codes.values()):
       self.status = 0
       return 0
     dead = [n for n, c in codes.items() if c not in (None, 0)]
+    if dead and USAGE in (codes[n] for n in dead) and self._usage_error():
+      return self.status
     if dead:
-      return self._lost(dead, codes)
+      codes = {n: p.poll() for n, p in self.procs.items()}
+      return self._lost([n for n, c in codes.items() if c not in (None, 0)], codes)
     self._inject()
     now = time.time()
     due = sorted(n for n, t in self.back.items() if t <= now)
@@ -180,14 +201,61 @@ class Supervisor:
     return self.status
 
   def run(self, poll_s: float = 0.05) -> int:
-    """Starts the full-size run and watches it until it is over; returns its exit status."""
-    self.start(list(range(self.nodes)))
+    """Starts the full-size run and watches it until it is over; returns its exit status (128 + the
+    signal's number when a signal stopped it). In the main thread, SIGINT, SIGTERM and SIGHUP stop the
+    run through `interrupt`."""
+    handled = {}
+    if threading.current_thread() is threading.main_thread():
+      handled = {s: signal.signal(s, lambda signum, frame: self.interrupt(signum)) for s in FORWARD}
     try:
+      self.start(list(range(self.nodes)))
       while self.poll() is None:
         time.sleep(poll_s)
     finally:
       self.stop_all()
+      for s, h in handled.items():
+        signal.signal(s, h)
     return self.status
+
+  def interrupt(self, signum: int) -> None:
+    """A signal to the supervisor (its handler): the first stops the run at the next poll, passing the
+    signal on to the trainers so that they save; the next SIGKILLs them at once."""
+    if self.interrupted:
+      for p in self.procs.values():
+        if p.poll() is None:
+          _signal(p, signal.SIGKILL)
+      return
+    self.interrupted = signum
+
+  def _stop_on_signal(self) -> int:
+    sig, name = FORWARD.get(self.interrupted, signal.SIGTERM), signal.Signals(self.interrupted).name
+    running = [n for n, p in self.procs.items() if p.poll() is None]
+    self.log(f"zerojax: supervisor: {name} received; sending {sig.name} to nodes {running} (they finish the "
+             f"step and save a checkpoint), SIGKILL after {self.stop_grace_s:g} s or on a second signal")
+    codes = self.stop_all(sig, self.stop_grace_s)
+    killed = [n for n, c in codes.items() if c == -signal.SIGKILL]
+    if killed:
+      self.log(f"zerojax: supervisor: nodes {killed} did not stop in time and were SIGKILLed (no checkpoint "
+               "of their last step)")
+    self.status = 128 + int(self.interrupted)
+    return self.status
+
+  def _usage_error(self) -> bool:
+    """After a process exited with status 2: waits up to `usage_wait_s` for the others; when every one
+    exited with status 2, logs the first one's `error:` line, sets status 2 and returns True."""
+    deadline = time.time() + self.usage_wait_s
+    while time.time() < deadline and any(p.poll() is None for p in self.procs.values()):
+      if any(p.poll() not in (None, USAGE) for p in self.procs.values()):
+        return False
+      time.sleep(0.05)
+    if any(p.poll() != USAGE for p in self.procs.values()):
+      return False
+    node = self.members[0] if self.members else min(self.procs)
+    line = self.error_line(node) if self.error_line else None
+    self.log(f"zerojax: supervisor: train.py stopped with a usage error (exit status 2) on every node "
+             f"{sorted(self.procs)}: " + (line or "see the nodes' output for its error line"))
+    self.status = USAGE
+    return True
 
   def _inject(self) -> None:
     if not self.kill_at:

@@ -19,31 +19,17 @@ from zerojax.planner.space import label
 from zerojax.executor import Executor
 from zerojax.executor.memory import memory_report
 from zerojax.mesh import make_mesh
-from zerojax.models.gpt import GPTConfig, gpt
 from zerojax import planner
 from zerojax.plan import Plan, zero3
 from zerojax.planner import remat as remat_choice
 from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, data as data_lib
 from zerojax.train import export as export_lib, replica as replica_lib, report, user_model
+from zerojax.train import model_spec as spec_lib, run_metrics, tokenizer as tokenizer_lib
+from zerojax.train.profile import Profile
+from zerojax.train.model_spec import ModelSpec, llama_config, model_config, model_spec  # noqa: F401  (gin configurables)
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
-from zerojax.train.optim import make_optimizer
+from zerojax.train.optim import make_optimizer, make_schedule
 from zerojax.train.signals import StopSignal
-
-
-@gin.configurable
-def model_config(vocab_size: int = 256, seq_len: int = 128, d_model: int = 128, num_heads: int = 4,
-                 num_layers: int = 4, mlp_ratio: int = 4) -> GPTConfig:
-  """The GPT `train` builds (a resume never changes it).
-
-  Args:
-    vocab_size: tokens (256: one per byte).
-    seq_len: tokens per training sequence (the context).
-    d_model: width of the residual stream.
-    num_heads: attention heads per layer.
-    num_layers: transformer blocks.
-    mlp_ratio: MLP hidden width over d_model.
-  """
-  return GPTConfig(vocab_size, seq_len, d_model, num_heads, num_layers, mlp_ratio)
 
 
 def default_num_nodes() -> int:
@@ -82,21 +68,24 @@ def with_run_settings(plan: Plan, param_dtype: str | None = None, compute_dtype:
 
 def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
           pad_multiple: int = 256, param_dtype: str | None = None, compute_dtype: str | None = None,
-          batch_size: int = 32, model: str | None = None, devices=None) -> Executor:
+          batch_size: int = 32, model: str | None = None, devices=None, architecture: str = "gpt",
+          init_from: str | None = None, spec: ModelSpec | None = None) -> Executor:
   """The executor `train` runs: the gin-configured GPT (or the user's `model`) and optimizer under `plan`
   on a fresh mesh.
 
   Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.cli.account`;
-  `devices` (default `jax.devices()`) are those of the mesh, e.g. compile-only GPUs (`zerojax.gpu_aot`).
-  With `plan = auto()` the AMSP planner picks the plan (`planner_rows` on the executor holds its table).
+  `devices` (default `jax.devices()`) are those of the mesh, e.g. compile-only GPUs (`zerojax.gpu_aot`);
+  `spec` (default: from `architecture`, `init_from` and gin, `model_spec.model_spec`) is the model. With `plan = auto()` the AMSP planner picks the plan (`planner_rows` on the executor holds its table).
   """
   if isinstance(plan, planner.Auto):
     return _auto(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
-                 param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model)
+                 param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model,
+                 architecture=architecture, init_from=init_from, spec=spec)
   plan = with_run_settings(plan, param_dtype, compute_dtype, pad_multiple)
   mesh = make_mesh(num_nodes or default_num_nodes(), devices=devices)
-  cfg = model_config()
-  net = gpt(cfg) if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+  spec = spec or spec_lib.model_spec(architecture, init_from)
+  cfg = spec.config
+  net = spec.build() if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
   optimizer = make_optimizer(total_steps=steps)
   # remat "auto": the cheapest mode whose compiled step fits the device (none on CPUs: the rule)
   plan, choice = remat_choice.choose(net, optimizer, plan, mesh, (accum_steps, batch_size, cfg.seq_len + 1),
@@ -111,7 +100,8 @@ def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor
   the chosen plan."""
   lead = jax.process_index() == 0
   ex = build(zero3(), num_nodes, **kw)
-  batch = np.zeros((ex.accum_steps, batch_size, model_config().seq_len + 1), np.int32)
+  batch = np.zeros((ex.accum_steps, batch_size, (kw.get("spec") or spec_lib.model_spec(
+      kw.get("architecture", "gpt"), kw.get("init_from"))).seq_len + 1), np.int32)
   plan, rows = choice.plan_for(ex.mesh, planner.workload(ex), lambda p: build(p, num_nodes, **kw), batch,
                                log=(lambda m: print(m, flush=True)) if lead else (lambda m: None))
   chosen = build(plan, num_nodes, **kw)
@@ -119,16 +109,19 @@ def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor
   return chosen
 
 
-@gin.configurable(denylist=["workdir", "data", "restore_from", "allow_changed", "node_copy"])
+@gin.configurable(denylist=["workdir", "data", "eval_data", "restore_from", "allow_changed", "node_copy",
+                            "start_over"])
 def train(workdir: str, data: str | None = None, restore_from: str | None = None, allow_changed=(),
-          node_copy: replica_lib.NodeCopy | None = None, *,
+          node_copy: replica_lib.NodeCopy | None = None, eval_data: str | None = None, start_over: bool = False, *,
           plan: Plan = gin.REQUIRED,
           steps: int = 200, checkpoint_every: int = 100, keep_checkpoints: int = 3,
           batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
           eval_every: int = 50, eval_batches: int = 4, log_every: int = 1,
-          max_consecutive_skips: int = 5, max_data_bytes: int = 64 * 2**20, pad_multiple: int = 256,
+          max_consecutive_skips: int = 5, data_dtype: str | None = None, tokenizer: str | None = None,
+          pad_multiple: int = 256,
           param_dtype: str | None = None, compute_dtype: str | None = None, export: bool = False,
-          progress: bool = True, model: str | None = None, replica_every: int = 1) -> dict:
+          progress: bool = True, model: str | None = None, replica_every: int = 1, architecture: str = "gpt",
+          init_from: str | None = None, profile_steps: tuple[int, int] | None = None) -> dict:
   """Trains the GPT model (or your own, `model`) on byte-level text under `plan`; writes metrics to `workdir`.
 
   SIGINT (Ctrl-C) and SIGTERM finish the current step, save a checkpoint and stop (a second signal
@@ -139,7 +132,9 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
       (the config run), `loss.png`, `tensorboard/` and `checkpoints/`; a run resumes from the latest
       checkpoint there. A run whose checkpoint is at `steps` already is left as it is. Every record of
       metrics.jsonl carries its unix `time` and the run's `nodes`.
-    data: a text file or folder; default the running Python's standard library sources.
+    data: a token file (`.bin`, `.npy`; `python -m zerojax.cli.tokenize` writes one), a folder of them, or
+      text (a file or folder, read as bytes); default the running Python's standard library sources
+      (`zerojax.train.data`, docs/data.md).
     restore_from: a workdir or checkpoint folder to start from when `workdir` has no checkpoint (any
       mesh, process count or plan; same model and optimizer). Never silently ignored.
     allow_changed: settings (gin names, e.g. "train.steps") that may differ from the checkpoint's on
@@ -159,7 +154,9 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     eval_batches: held-out batches per evaluation.
     log_every: steps between rows of metrics.jsonl.
     max_consecutive_skips: stop after this many steps in a row with non-finite loss or gradients.
-    max_data_bytes: read at most this many bytes of the corpus.
+    data_dtype: the dtype of `.bin` token files without a sidecar: "uint16" (nanoGPT's) or "uint32".
+    tokenizer: a SentencePiece `.model` or a Hugging Face `tokenizer.json`: the vocabulary of the model and
+      of the token files (text is refused with the command that tokenizes it).
     pad_multiple: leaves are padded to a multiple of devices x lcm(this, the plan's quantization blocks),
       for every plan (`Sharding.pad_multiple`): one layout of the shards for every plan of the run.
     param_dtype: the run's parameter dtype on the wire and in compute, for every plan (`Gather.param_dtype`;
@@ -172,11 +169,21 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
       it returns a `zerojax.Model` whose loss takes `[batch, seq_len + 1]` int32 byte tokens
       (`zerojax.train.user_model`).
     replica_every: steps between writes of the node's own copy (with `node_copy`).
+    start_over: when every checkpoint in workdir was set aside as damaged, start over (from restore_from, or
+      step 0) instead of stopping (train.py --start_over).
+    eval_data: a separate held-out source (train.py's --eval_data); default the last 5% of `data`.
+    architecture: "gpt" (`model_config`) or "llama" (`llama_config`; docs/models.md).
+    profile_steps: (START, STOP): a `jax.profiler` trace of steps START..STOP in `workdir/profile`
+      (TensorBoard's profile plugin, Perfetto); None: no trace.
+    init_from: a Hugging Face checkpoint folder (config.json and *.safetensors of a Llama, Mistral or Qwen2)
+      whose weights a new run starts from; its config.json gives the model (a resume starts from the
+      checkpoint instead).
 
   Returns:
     The summary dict also written to `summary.json`.
   """
   args = dict(locals())
+  config_lib.check_run_settings(**args)
   stop = StopSignal().install()
   try:
     return _train(stop=stop, **args)
@@ -195,29 +202,34 @@ def _finite(x):
 
 def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, checkpoint_every,
            keep_checkpoints, batch_size, accum_steps, num_nodes, seed, eval_every, eval_batches, log_every,
-           max_consecutive_skips, max_data_bytes, pad_multiple, param_dtype, compute_dtype,
-           export, progress, model, node_copy, replica_every) -> dict:
-  cfg = model_config()
+           max_consecutive_skips, data_dtype, tokenizer, eval_data, pad_multiple, param_dtype, compute_dtype,
+           export, progress, model, node_copy, replica_every, architecture, init_from, profile_steps, start_over) -> dict:
   allowed = config_lib.check_allowed(allow_changed)
+  tok = tokenizer_lib.load(tokenizer) if tokenizer is not None else None
+  spec = spec_lib.model_spec(architecture, init_from)
+  dataset = data_lib.open_data(data, eval_path=eval_data, seq_len=spec.seq_len, data_dtype=data_dtype,
+                               tokenizer=tok)  # reads no ids: cheap, and it says the vocabulary
+  spec = spec.with_vocab(dataset.vocab_size)
+  cfg, vocab = spec.config, spec.config.vocab_size
+  data_lib.check_vocab(dataset, vocab)
   ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
-             param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model)
+             param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model, spec=spec)
   plan, mesh = ex.plan, ex.mesh
-  ex.check_batch((accum_steps, batch_size, cfg.seq_len + 1))  # fail before loading any data
+  ex.check_batch((accum_steps, batch_size, cfg.seq_len + 1))
   if ex.remat_choice.get("rows"):  # chosen by compiling (GPUs): say what and why
     _say(ex.remat_choice["why"])
-  dataset = data_lib.load_bytes(data, max_bytes=max_data_bytes, seq_len=cfg.seq_len)
-  settings = config_lib.run_settings(cfg, steps=steps, batch_size=batch_size, accum_steps=accum_steps,
+  settings = config_lib.run_settings(spec.settings(), steps=steps, batch_size=batch_size, accum_steps=accum_steps,
                                      user_model=model)
   check = lambda meta, where: config_lib.check_resume(meta.get("settings"), settings, meta["step"], where, allowed)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=keep_checkpoints)
-  log = None
+  log = loader = None
   try:
     copies = _node_copies(ex, node_copy)
     found = replica_lib.agree(node_copy.directory, node_copy.joining, seed) if copies else None
     if found is not None and found[0] >= (ckpt.latest_step() or -1):
       resumed = _from_copies(ex, copies, found, check)
     else:
-      resumed = checkpoint_lib.resume(ex, ckpt, restore_from, check=check, warn=_say)
+      resumed = checkpoint_lib.resume(ex, ckpt, restore_from, check=check, warn=_say, start_over=start_over)
     start_step = int(resumed.state.step) if resumed is not None else 0
     if resumed is not None and start_step >= steps:
       _say(f"the run already finished: the checkpoint in {resumed.directory} is at step {start_step}, "
@@ -229,11 +241,20 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
            + (f" (data seed {seed}; train.seed={asked} applies to new runs only)" if seed != asked else ""))
       if resumed.note:
         _say(resumed.note)
-    state = resumed.state if resumed is not None else ex.init(jax.random.key(seed))
+    if resumed is not None:
+      state = resumed.state
+    elif spec.init_from is not None:
+      state = ex.init_from_params(spec_lib.initial_params(spec))  # each device is sent its own shards
+      _say(f"initialised from {spec.init_from} ({spec.model_type}, {spec.describe()})")
+    else:
+      state = ex.init(jax.random.key(seed))
     step_fn, eval_fn = ex.step_fn(), ex.eval_fn()
     eval_sharding = NamedSharding(mesh, P(ex.batch_axes))
-    held_out = [data_lib.device_put_batch(b, eval_sharding) for b in data_lib.eval_batches(
-        dataset.eval, num_batches=eval_batches, batch_size=batch_size, seq_len=cfg.seq_len)]
+    held_out = data_lib.eval_arrays(dataset.eval, eval_sharding, num_batches=eval_batches, batch_size=batch_size,
+                                    seq_len=cfg.seq_len, vocab_size=vocab)
+    batches = data_lib.Batches(data_lib.Windows(dataset.train, cfg.seq_len, seed, vocab, "the training data"),
+                               ex.batch_sharding, accum_steps=accum_steps, batch_size=batch_size)
+    loader = data_lib.Prefetcher(batches.at, start_step, steps)
     loss_of = lambda out: out[0] if ex.model.has_aux else out
     evaluate = lambda st: float(np.mean([float(loss_of(eval_fn(st.params, b, st.mutable))) for b in held_out]))
 
@@ -242,61 +263,89 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
     if lead:
       os.makedirs(workdir, exist_ok=True)
       config_lib.write(os.path.join(workdir, "config.gin"), CONFIG_HEADER.format(workdir=workdir))
+      spec_lib.write(workdir, spec, tokenizer)
       log = report.RunLog(workdir, start_step)
       if first_loss is None and resumed is not None:
         first_loss = log.first_loss()
     _say(f"plan={label(plan)} mesh={dict(mesh.shape)} data={dataset.source}")
     _say(f"model-state bytes per device {json.dumps(memory_report(ex)['expected'])}")
     tokens_per_step = batch_size * accum_steps * cfg.seq_len
+    rates = run_metrics.Rates(tokens_per_step, None if model else run_metrics.flops_per_token(spec), mesh.size,
+                              run_metrics.peak_flops(mesh.devices.flat[0].device_kind))
+    lr_at = make_schedule(steps)
     bar = tqdm(total=steps, initial=start_step, disable=not (lead and progress), dynamic_ncols=True)
-    in_a_row, times, loss, eval_loss = 0, [], float("nan"), None
+    in_a_row, times, waits, loss, eval_loss = 0, [], [], float("nan"), None
     stopped, step = stop.requested(), start_step
     nodes = int(mesh.shape["node"])
     event = node_copy.event if node_copy is not None else None
-    while step < steps and not stopped:
-      batch = data_lib.global_batch(dataset.train, step, accum_steps=accum_steps, batch_size=batch_size,
-                                    seq_len=cfg.seq_len, seed=seed)
-      batch = data_lib.device_put_batch(batch, ex.batch_sharding)
-      t0 = time.perf_counter()
-      state, metrics = step_fn(state, batch)
-      loss, finite = float(metrics.loss), bool(metrics.finite)
-      dt = time.perf_counter() - t0
-      if step > start_step:  # the first step includes compilation
-        times.append(dt)
-      elif ex.prefetch_fallbacks():
-        for u, why in ex.prefetch_fallbacks().items():  # said once: a default the model cannot use
-          _say(f"unit {u!r}: {why}")
-      step += 1
-      in_a_row = 0 if finite else in_a_row + 1
+    pending, ready_at, eval_loss = None, None, None
+    profiler = Profile(workdir, profile_steps, lead)
+
+    def finish(d: run_metrics.Dispatched):
+      """The host's work for a step whose metrics are read: the skip rule, the record, the progress bar."""
+      nonlocal in_a_row, first_loss, loss, ready_at, event
+      done, ready_at = run_metrics.read(d, ready_at)
+      loss = done.loss
+      if done.step > start_step + 1:  # the first step includes compilation
+        times.append(done.seconds)
+      in_a_row = 0 if done.finite else in_a_row + 1
       if in_a_row >= max_consecutive_skips:
         raise NonFiniteError(f"{in_a_row} steps in a row had non-finite loss or gradients (last at step "
-                             f"{step}, loss={loss}); lower the learning rate or check the data")
-      first_loss = loss if first_loss is None and finite else first_loss
-      if copies and (step % replica_every == 0 or step == steps):  # before the step is logged: a logged
-        replica_lib.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss,
-                         settings=settings)  # step is one this node holds
-      eval_loss = evaluate(state) if (eval_every and step % eval_every == 0) or step == steps else None
-      logged = step % log_every == 0 or eval_loss is not None
-      # the skip count is one per replica with DiLoCo: every process joins its sum
-      skipped = int(jnp.sum(state.skipped)) if logged else None
-      if lead and logged:
-        rec = {"step": step, "time": time.time(), "nodes": nodes, "loss": loss, "step_time_s": dt,
-               "tokens_per_s": tokens_per_step / dt, "grad_norm": float(metrics.grad_norm), "skipped": skipped}
+                             f"{done.step}, loss={done.loss}); lower the learning rate or check the data")
+      first_loss = done.loss if first_loss is None and done.finite else first_loss
+      evaluated = eval_loss if done.step == step else None
+      if lead and done.skipped is not None:
+        rec = {"step": done.step, "time": time.time(), "nodes": nodes, "loss": done.loss,
+               "learning_rate": float(lr_at(done.step - 1)), "grad_norm": done.grad_norm, "skipped": done.skipped,
+               "step_time_s": done.seconds, "data_wait_s": done.data_wait, **rates.of(done.seconds),
+               **run_metrics.device_memory()}
         if event is not None:  # the first step after a node was lost or rejoined
           rec["event"], event = report.membership(event, rec["time"], start_step), None
-        log.write(rec if eval_loss is None else {**rec, "eval_loss": eval_loss})
-      bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", step_s=f"{dt:.3f}")
+        log.write(rec if evaluated is None else {**rec, "eval_loss": evaluated})
+      bar.set_postfix(loss=f"{done.loss:.3f}", tok_s=f"{tokens_per_step / done.seconds:,.0f}",
+                      step_s=f"{done.seconds:.3f}")
       bar.update(1)
+      profiler.after(done.step)
+
+    while step < steps and not stopped:
+      batch, data_wait = loader.get(step)
+      waits.append(data_wait)
+      profiler.before(step + 1)
+      dispatched = time.perf_counter()
+      state, metrics = step_fn(state, batch)
+      step += 1
+      if step == start_step + 1 and ex.prefetch_fallbacks():
+        for u, why in ex.prefetch_fallbacks().items():  # said once: a default the model cannot use
+          _say(f"unit {u!r}: {why}")
       stopped = stop.requested()
-      if copies and stopped and step % replica_every and step != steps:
+      evaluating = (eval_every and step % eval_every == 0) or step == steps
+      saving = (checkpoint_every and step % checkpoint_every == 0) or step == steps or stopped
+      copying = copies and ((step % replica_every == 0 or step == steps) or stopped)
+      logged = step % log_every == 0 or evaluating
+      # the skip count is one per replica with DiLoCo: every process joins its sum (read with the metrics)
+      now = run_metrics.Dispatched(step, metrics, jnp.sum(state.skipped) if logged else None, dispatched, data_wait)
+      if pending is not None:
+        finish(pending)  # the previous step's metrics: the device computes this one meanwhile
+      pending = now
+      if not (evaluating or saving or copying):
+        continue
+      if copying:  # before the step is logged: a logged step is one this node holds
         replica_lib.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss,
                          settings=settings)
-      if (checkpoint_every and step % checkpoint_every == 0) or step == steps or stopped:
+      eval_loss = evaluate(state) if evaluating else None
+      finish(pending)  # logged with its eval loss
+      pending = None
+      if saving:
         ckpt.save(ex, state, seed=seed, first_loss=first_loss, settings=settings)
+    if pending is not None:
+      finish(pending)
+    profiler.close()
     ckpt.wait()
     bar.close()
   finally:
     ckpt.close()
+    if loader is not None:
+      loader.close()
     if log is not None:
       log.close()
   stopped_by = signal.Signals(stopped).name if stopped else None
@@ -312,7 +361,10 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
              "step": step, "steps": steps, "first_loss": _finite(first_loss), "final_loss": _finite(loss),
              "final_eval_loss": _finite(eval_loss), "skipped_steps": int(jnp.sum(state.skipped)),
              "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if median else None,
-             "data": dataset.source, "memory_bytes_per_device": memory_report(ex)["expected"],
+             **({k: v for k, v in rates.of(median).items() if k != "tokens_per_s"} if median else {}),
+             "data": dataset.source, "vocab_size": vocab, "architecture": spec.architecture,
+             "init_from": spec.init_from,
+             "data_wait_s": float(np.median(waits)) if waits else None, "memory_bytes_per_device": memory_report(ex)["expected"],
              "plan_fields": {"name": plan.name, **{k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
                                                     for k, v in plan.settings().items()}}}
   if ex.planner_rows:
