@@ -10,8 +10,9 @@ One run per workdir: a second one started in DIR stops with one line naming the 
 Ctrl-C or SIGTERM: finish the step, save a checkpoint, exit 130 / 143 (press Ctrl-C twice to exit at
 once). Config, data and checkpoint errors print one line and exit 2 (--verbose: with the traceback).
 
-Multi-host: run the same command on every host with --coordinator=HOST:PORT --num_processes=N
---process_id=I (detected automatically under SLURM / Open MPI when omitted).
+Several hosts: start it with the cluster's launcher, one process per node or one per GPU (Slurm's srun,
+mpirun, a Kubernetes JobSet: examples/slurm, examples/k8s), or on every host with --coordinator=HOST:PORT
+--num_processes=N --process_id=I. The processes of one host form one node of the mesh.
 """
 import argparse
 import dataclasses
@@ -165,8 +166,8 @@ def _run(args) -> int:
   from zerojax.train import config as config_lib, trainer, workdir_lock
   from zerojax.train.signals import exit_code
   allowed = config_lib.check_allowed(args.allow_changed)  # before any slow start
-  launcher = any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
-  if args.coordinator or launcher:
+  from zerojax.mesh import launched_processes
+  if args.coordinator or launched_processes() > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
     _initialize_distributed(args)
   bindings = list(args.gin_param)
   if args.model is not None:
@@ -236,20 +237,43 @@ def set_device_count(devices: int | None) -> str | None:
 
 
 def _initialize_distributed(args) -> None:
-  """`jax.distributed.initialize` with a heartbeat timeout: when one process dies, the others stop
-  (they are ended by JAX's distributed runtime) within about `--heartbeat_timeout` seconds."""
+  """`jax.distributed.initialize` wherever a launcher started several processes (Slurm, Open MPI, MPI, or
+  JAX's variables, which examples/k8s sets), one per node or one per GPU, with a heartbeat timeout: when
+  one process dies, the others stop within about `--heartbeat_timeout` seconds. A job that names several
+  processes but comes up as one stops with one line."""
   import jax
-  explicit = (args.coordinator, args.num_processes, args.process_id)
-  if any(a is not None for a in explicit) and not all(a is not None for a in explicit):
-    raise ConfigError("--coordinator, --num_processes and --process_id go together (got "
-                      f"{args.coordinator!r}, {args.num_processes!r}, {args.process_id!r}); give all three or none")
-  if args.num_processes == 1:
-    return
-  if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                             process_id=args.process_id, heartbeat_timeout_seconds=args.heartbeat_timeout,
-                             shutdown_timeout_seconds=args.heartbeat_timeout)
+  from zerojax import mesh as mesh_lib
+  launched = mesh_lib.launched_processes()
+  try:
+    mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                                    visible_gpus=_visible_gpus(), heartbeat_timeout_seconds=args.heartbeat_timeout,
+                                    shutdown_timeout_seconds=args.heartbeat_timeout)
+  except ValueError as e:
+    if launched > 1 and "coordinator" in str(e) and not args.coordinator:
+      raise ConfigError(f"the launcher names {launched} processes but this one cannot find the others (no "
+                        "coordinator: it was not started by srun or mpirun); start every process with the launcher "
+                        "(not python directly in the batch script), or give --coordinator, --num_processes and "
+                        "--process_id") from None
+    raise ConfigError(str(e)) from None
+  except RuntimeError as e:
+    raise ConfigError(f"starting the {launched if launched > 1 else ''} processes failed ({one_line(e)[:300]}); "
+                      "start every process with the launcher (srun, mpirun) or give --coordinator, "
+                      "--num_processes and --process_id") from None
+  if launched > 1 and jax.process_count() == 1:
+    raise ConfigError(f"the launcher started {launched} processes but this one runs alone; start them with srun "
+                      "or mpirun (not python directly in the batch script), or give --coordinator, --num_processes "
+                      "and --process_id")
+
+
+def _visible_gpus() -> int:
+  """The NVIDIA GPUs this process sees (`CUDA_VISIBLE_DEVICES` where set), 0 without an accelerator."""
+  import glob
+  if not _has_accelerator():
+    return 0
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    return len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"])
+  return len(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def _has_accelerator() -> bool:

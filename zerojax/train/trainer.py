@@ -18,7 +18,7 @@ from tqdm import tqdm
 from zerojax.planner.space import label
 from zerojax.executor import Executor
 from zerojax.executor.memory import memory_report
-from zerojax.mesh import make_mesh
+from zerojax.mesh import make_mesh, process_nodes
 from zerojax import planner
 from zerojax.plan import Plan, zero3
 from zerojax.planner import remat as remat_choice
@@ -33,10 +33,17 @@ from zerojax.train.signals import StopSignal
 
 
 def default_num_nodes() -> int:
-  """One node per process; a single CPU process simulates 2 nodes (when its devices split evenly)."""
+  """The nodes (hosts) the processes run on (`zerojax.mesh.process_nodes`); a single CPU process simulates
+  2 nodes (when its devices split evenly)."""
   if jax.process_count() > 1:
-    return jax.process_count()
+    return len(set(process_nodes()))
   return 2 if jax.default_backend() == "cpu" and jax.device_count() % 2 == 0 else 1
+
+
+def platform_compute_dtype(mesh) -> str:
+  """The compute dtype where `train.compute_dtype` is unset: bf16 on GPUs (the tensor cores' dtype; the
+  master weights stay fp32), fp32 on CPUs (where bf16 matmuls are slower than fp32)."""
+  return "float32" if mesh.devices.flat[0].platform == "cpu" else "bfloat16"
 
 
 class NonFiniteError(RuntimeError):
@@ -81,8 +88,10 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
     return _auto(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
                  param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model,
                  architecture=architecture, init_from=init_from, spec=spec)
-  plan = with_run_settings(plan, param_dtype, compute_dtype, pad_multiple)
   mesh = make_mesh(num_nodes or default_num_nodes(), devices=devices)
+  if compute_dtype is None and plan.settings()["compute_dtype"] is None:
+    compute_dtype = platform_compute_dtype(mesh)
+  plan = with_run_settings(plan, param_dtype, compute_dtype, pad_multiple)
   spec = spec or spec_lib.model_spec(architecture, init_from)
   cfg = spec.config
   net = spec.build() if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
@@ -161,7 +170,9 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
       for every plan (`Sharding.pad_multiple`): one layout of the shards for every plan of the run.
     param_dtype: the run's parameter dtype on the wire and in compute, for every plan (`Gather.param_dtype`;
       None keeps the plan's). The one place to set it in gin: the plan constructors refuse it.
-    compute_dtype: the run's compute dtype, for every plan (`Gather.compute_dtype`; None keeps the plan's).
+    compute_dtype: the run's compute dtype, for every plan (`Gather.compute_dtype`); None: the plan's, or
+      where it sets none the platform's (`platform_compute_dtype`: bf16 on GPUs, fp32 on CPUs; summary.json's
+      `platform_defaults` says which applied).
     export: write the final logical parameters to `workdir/params.npz`.
     progress: show a progress bar.
     model: a model of your own instead of the GPT: "path/to/file.py:function" or "package.module:function"
@@ -370,6 +381,9 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
   if ex.planner_rows:
     summary["planner"] = ex.planner_rows
   summary["remat"] = ex.remat_choice
+  if compute_dtype is None:  # what the platform chose (an explicit setting wins)
+    summary["platform_defaults"] = {"compute_dtype": ex.plan.settings()["compute_dtype"],
+                                    "platform": mesh.devices.flat[0].platform}
   if ex.prefetch_fallbacks():
     summary["prefetch_fallbacks"] = ex.prefetch_fallbacks()
   if lead:
