@@ -54,7 +54,7 @@ def reduce_scatter_unit(grads: list[jax.Array], axes: tuple[str, ...], sizes: tu
                         backend: str | None = None, all_to_all: bool = False, **fidelity):
   """Sums each leaf's full flat gradient `[k * c_i]` over `axes` and keeps this device's chunk `[c_i]`.
 
-  With wire `formats` the sum is qgZ's 2-hop quantized all-to-all (`zerojax.qgz`); with `all_to_all` the same
+  With wire `formats` the sum is qgZ's 2-hop quantized all-to-all (`zerojax.comm.qgz.qgz_reduce_scatter`); with `all_to_all` the same
   hops move the gradient's own words (`all_to_all_reduce_scatter`); else `psum_scatter`. `fidelity`
   (`rotate`, `key`, `error`) passes on to qgZ. With `error` (the unit's packed buffers) the result is
   `(chunks, new error)`. Without `axes` (a group of one device) nothing moves and nothing is quantized:

@@ -47,7 +47,7 @@ class HostOffload:
   Attributes:
     fields: the `TrainState` fields held in host memory ("params": the fp32 master weights, "opt_state").
       Only their arrays (ndim >= 1) move; scalars such as Adam's step count stay on the device.
-    update: `Sharding.offload_update`: "streamed" (on the device, chunk by chunk, `Steps._streamed_update`),
+    update: `Sharding.offload_update`: "streamed" (on the device, chunk by chunk, `zerojax.executor.offload_update.StreamedUpdate`),
       "bulk" (every state fetched at once after the backward, as a plan with a stateful component does: the
       before of docs/offload.md, which `benchmarks/bench_offload.py --fit_probe --bulk` measures) or "host"
       (on the host, `host_update`).
@@ -226,7 +226,7 @@ def sharding_kind(sharding: NamedSharding) -> str:
   return sharding.memory_kind or "device"
 
 
-# The streamed update (`zerojax.executor.step`'s `_streamed_update`): the optimizer runs on one chunk of the state at
+# The streamed update (`zerojax.executor.offload_update.StreamedUpdate`): the optimizer runs on one chunk of the state at
 # a time (a unit, or one layer of a scanned unit), so only a few chunks' states are on the device at once.
 # An optax update is elementwise except for its global statistics (`clip_by_global_norm`'s norm): scalars
 # reduced over every gradient. `global_scalars` computes those once, from the whole gradient, before the

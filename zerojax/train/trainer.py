@@ -28,6 +28,7 @@ from zerojax.train import model_spec as spec_lib, run_metrics, tokenizer as toke
 from zerojax.train.profile import Profile
 from zerojax.train.model_spec import ModelSpec, llama_config, model_config, model_spec  # noqa: F401  (gin configurables)
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
+from zerojax.train.gin_registry import RUN_SETTINGS  # `train.*` in gin, for every plan
 from zerojax.train.optim import make_optimizer, make_schedule
 from zerojax.train.signals import StopSignal
 
@@ -50,7 +51,6 @@ class NonFiniteError(RuntimeError):
   pass
 
 
-RUN_SETTINGS = ("param_dtype", "compute_dtype", "pad_multiple")  # `train.*` in gin, for every plan
 
 
 def with_run_settings(plan: Plan, param_dtype: str | None = None, compute_dtype: str | None = None,
