@@ -74,14 +74,20 @@ def parser(with_parameters: bool = False) -> argparse.ArgumentParser:
   ap.add_argument("--process_id", type=int, default=None)
   ap.add_argument("--heartbeat_timeout", type=int, default=30,
                   help="seconds after which a silent process counts as dead and the others stop (multi-host)")
+  ap.add_argument("--initialization_timeout", type=int, default=300,
+                  help="seconds the processes wait for each other to start (multi-host; jax.distributed."
+                       "initialize); the supervisor passes a shorter one to its restarts")
   ap.add_argument("--replica_dir", default=None,
-                  help="this node's own folder (local disk) for its copy of the train state, written every "
-                       "train.replica_every steps; a start resumes from the latest step every node holds, on "
-                       "any number of nodes (plans with a full replica per node; docs/training.md, \"When a "
-                       "node dies\")")
+                  help="this node's own folder (local disk) for its copy of the train state, written about "
+                       "every train.replica_every_s seconds (or train.replica_every steps); a start resumes from "
+                       "the latest step every node holds, on any number of nodes (plans with a full replica per "
+                       "node; docs/training.md, \"When a node dies\")")
   ap.add_argument("--join", action="store_true",
                   help="with --replica_dir: this node has no current copy (restarted or replaced) and takes "
                        "it from the others")
+  ap.add_argument("--progress_file", default=None, metavar="FILE",
+                  help="rewrite FILE every second with the last completed step (the heartbeat that python -m "
+                       "zerojax.cli.supervise's watchdog reads; set by it)")
   ap.add_argument("--event", default=None, metavar="JSON",
                   help="the membership change this start follows, recorded in metrics.jsonl (set by "
                        "python -m zerojax.cli.supervise)")
@@ -159,6 +165,16 @@ def _run(args) -> int:
     raise ConfigError("--join and --event go with --replica_dir (the node's own folder); add it or drop them")
   if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
     raise ConfigError(f"--workdir {args.workdir!r} is a file; pass a folder (created if missing)")
+  from zerojax.train import progress as progress_lib
+  progress = progress_lib.Progress(args.progress_file) if args.progress_file else None  # beats from here on
+  try:
+    return _run_training(args, progress)
+  finally:
+    if progress is not None:
+      progress.close()
+
+
+def _run_training(args, progress) -> int:
   devices = set_device_count(args.devices)
   set_compilation_cache(args.compilation_cache, _has_accelerator())
   import jax
@@ -167,7 +183,7 @@ def _run(args) -> int:
   allowed = config_lib.check_allowed(args.allow_changed)  # before any slow start
   launcher = any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
   if args.coordinator or launcher:
-    _initialize_distributed(args)
+    initialize_distributed(args)
   bindings = list(args.gin_param)
   if args.model is not None:
     from zerojax.train import user_model
@@ -184,7 +200,8 @@ def _run(args) -> int:
       node_copy = replica.NodeCopy(os.path.abspath(args.replica_dir), args.join, _event(args.event))
       replica.claim(node_copy.directory, replica.run_id(args.workdir))  # another run's copies are not used
     summary = trainer.train(args.workdir, args.data, restore_from=args.restore_from, allow_changed=allowed,
-                            node_copy=node_copy, eval_data=args.eval_data, start_over=args.start_over)
+                            node_copy=node_copy, eval_data=args.eval_data, start_over=args.start_over,
+                            heartbeat=progress)
   if jax.process_index() == 0:
     print(json.dumps(summary))
   stopped = summary.get("stopped_by")
@@ -235,9 +252,10 @@ def set_device_count(devices: int | None) -> str | None:
   return "the default; set --devices to change it"
 
 
-def _initialize_distributed(args) -> None:
+def initialize_distributed(args) -> None:
   """`jax.distributed.initialize` with a heartbeat timeout: when one process dies, the others stop
-  (they are ended by JAX's distributed runtime) within about `--heartbeat_timeout` seconds."""
+  (they are ended by JAX's distributed runtime) within about `--heartbeat_timeout` seconds; a process
+  whose peers do not all start stops after `--initialization_timeout` seconds."""
   import jax
   explicit = (args.coordinator, args.num_processes, args.process_id)
   if any(a is not None for a in explicit) and not all(a is not None for a in explicit):
@@ -249,7 +267,8 @@ def _initialize_distributed(args) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                              process_id=args.process_id, heartbeat_timeout_seconds=args.heartbeat_timeout,
-                             shutdown_timeout_seconds=args.heartbeat_timeout)
+                             shutdown_timeout_seconds=args.heartbeat_timeout,
+                             initialization_timeout=args.initialization_timeout)
 
 
 def _has_accelerator() -> bool:
@@ -302,7 +321,8 @@ def parameters_help() -> str:
       default = "REQUIRED" if p.default is gin.REQUIRED or p.default is p.empty else repr(p.default)
       rows.append((f"{prefix}.{name} = {default}", docs.get(name, "")))
 
-  add("train", trainer.train, skip=("workdir", "data", "eval_data", "restore_from", "allow_changed", "start_over"))
+  add("train", trainer.train, skip=("workdir", "data", "eval_data", "restore_from", "allow_changed", "start_over",
+                                    "heartbeat"))
   add("model_config", trainer.model_config)
   add("make_optimizer", make_optimizer, skip=("total_steps",))
   add("zeropp", plan_lib.zeropp, docs={"weight_bits": "qwZ: bits of the forward weight gather (None: off)",
