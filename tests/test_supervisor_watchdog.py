@@ -18,8 +18,8 @@ from zerojax.train import progress, report, supervisor, watchdog
 # Each process takes a step when every process of its start has written the one before (a collective),
 # reports it through the real heartbeat (beating every 0.05 s), and the first logs it in metrics.jsonl.
 # Modes: "train" (STEPS steps, then exit 0), "hang" (from step 5 no process steps, the first start only),
-# "die" (the start's last process SIGKILLs itself at once), "give_up" (a process stalled for 2 s exits 1,
-# as JAX's heartbeat ends the peers of a stopped process).
+# "die" (the start's last process SIGKILLs itself at once), "give_up" (a process stalled for 2 s aborts,
+# as JAX's distributed runtime ends the peers of a process whose heartbeat stopped: SIGABRT).
 STAND_IN = r"""
 import importlib.util, json, os, signal, sys, time
 work, node, gen, mode, module = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -46,7 +46,7 @@ while step < STEPS:
   while not all(os.path.exists(os.path.join(here, f"p{i}")) and int(open(os.path.join(here, f"p{i}")).read()) >= step
                 for i in range(n)) or (mode == "hang" and gen == 0 and step >= 5):
     if mode == "give_up" and step > 0 and time.monotonic() - waited > 2:
-      sys.exit(1)
+      os.abort()
     time.sleep(0.01)
   step += 1
   beat.completed(step, STEPS)
@@ -116,8 +116,8 @@ def test_a_hang_with_every_heartbeat_alive_restarts_every_node(tmp_path, quick):
 
 
 def test_when_the_others_exit_first_the_stopped_node_is_the_one_lost(tmp_path, quick):
-  """As JAX's heartbeat ends the peers of a SIGSTOPped process with an error, before the watchdog (off
-  here) acts: the stopped node is lost, not the ones that exited."""
+  """As JAX's distributed runtime ends the peers of a SIGSTOPped process (SIGABRT) before the watchdog
+  (off here) acts: the stopped node is lost, not the ones that exited."""
   sup, starts, lines = make(tmp_path, 3, "give_up", hang_at={1: 3}, watchdog_k=0)
   assert run(sup) == 0, lines
   assert [s.node for _, s in starts[3:]] == [0, 2]

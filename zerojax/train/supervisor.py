@@ -2,7 +2,7 @@
 the survivors again with one node fewer; when the node comes back, it starts the run at full size.
 
 Plans that hold a full replica of the train state per node (`zerojax.train.replica`) lose nothing the
-survivors do not hold: every process writes its node's copy each `train.replica_every` steps, and a
+survivors do not hold: every process writes its node's copy every few minutes, and a
 start resumes from the latest step every surviving node holds, on any number of nodes; a node that
 rejoins takes its copy from a survivor (`train.py --join`). JAX's distributed runtime cannot shrink a
 running job on CPUs (gloo), so the survivors are restarted: the route that works on every jax this
@@ -20,8 +20,8 @@ WORKDIR/progress). When a node completed no step for max(`watchdog_k` x the medi
 `watchdog_floor_s`) seconds, the nodes whose heartbeat stopped (SIGSTOP, a frozen host) are ended and
 taken as lost, as a dead one is; when every heartbeat goes on but no step completes (a hang in a
 collective or the runtime), every node is started again. When JAX's own heartbeat ends the others first
-(they exit with an error while the stopped node is still there), the node whose heartbeat stopped is
-the one taken as lost.
+(they abort while the stopped node is still there), the node whose heartbeat stopped is the one taken
+as lost.
 
 Restarts after a loss or a hang are capped (`max_restarts`, as torchelastic's); a start that trained no
 step is retried after `restart_backoff_s`, doubled for each one in a row (at most `MAX_BACKOFF_S`); a run
@@ -388,12 +388,12 @@ class Supervisor:
     detected = time.time()
     by_signal = [n for n in dead if codes[n] < 0 and codes[n] != -signal.SIGTERM]
     # peers that fail because a node died exit with an error, not a signal; when JAX's heartbeat ended
-    # them while a stopped node is still there, that node is the one lost
+    # them (SIGABRT) while a stopped node is still there, that node is the one lost
     self.watchdog.observe(self.members, detected)
     stopped = self.watchdog.stopped([n for n, c in codes.items() if c is None], detected)
     for n in stopped:
       self.killed[n] = self.frozen.get(n, self.watchdog.last_beat(n))
-    lost = by_signal or stopped or dead
+    lost = stopped or by_signal or dead
     last = self.last_step()
     time.sleep(self.finish_s)  # let the survivors finish writing the copy of their last step
     self.stop_all(signal.SIGKILL)  # they wait in a collective for the dead node: nothing else to save

@@ -67,7 +67,7 @@ class Watchdog:
       where = "until the first" if step is None else "after the last"
       return self.first_s, f"{self.first_s:g} s {where} step"
     if median is None:
-      return self.floor_s, f"{self.floor_s:g} s"
+      return self.floor_s, "the floor, no median step time yet"
     why = f"{self.k:g} x the median step {median:.3g} s, at least {self.floor_s:g} s"
     return max(self.k * median, self.floor_s), why
 
