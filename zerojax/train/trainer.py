@@ -143,8 +143,8 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     allow_changed: settings (gin names, e.g. "train.steps") that may differ from the checkpoint's on
       resume; others that differ stop the run (`zerojax.train.config.check_resume`).
     node_copy: this node's own copy of the train state (`train.py --replica_dir`, one process per node):
-      written every `replica_every` steps; a start resumes from the latest step every holder has when it
-      is newer than the checkpoint, on any number of nodes (`zerojax.train.replica`).
+      written about every `replica_every_s` seconds; a start resumes from the latest step every holder has
+      when it is newer than the checkpoint, on any number of nodes (`zerojax.train.replica`).
     heartbeat: the supervisor's progress file (`train.py --progress_file`), told of each completed step.
     plan: the sharding plan (`@zero3()`, `@mics()`, ... in gin).
     steps: optimizer steps (also the length of the learning-rate schedule).
