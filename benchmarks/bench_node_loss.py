@@ -6,9 +6,16 @@ the same run uninterrupted, interleaved; the JSON gives per run the loss and rej
 (`zerojax.train.report.membership`), the seconds from the kill to the first step trained without the
 node, the steps logged, the final node count and eval loss, and per config the medians with their
 spread and the final eval loss against the uninterrupted run's. A run that fails is recorded, not raised.
+The runs with a kill write the node copies every step (`--replica_every 1`), so that the steps lost measure
+the restart, not the copies' cadence.
+
+The cost of the copies on the step (`--copy_reps`, of the first config, `--copy_steps` steps each): the
+median step time of uninterrupted runs with the copies off (train.py alone), written every step, and at
+the default cadence (`train.replica_every_s`, both under the supervisor, `cluster.py --supervised`);
+`copies` in the JSON gives the medians, the seconds one copy adds to its step and the overheads.
 
   python benchmarks/bench_node_loss.py [--configs configs/mics.gin configs/diloco_mics.gin] [--reps 3] \\
-      [--nodes 3 --devices 2 --rate 1gbit --steps 60 --kill 2@20 --restart_after 20] [--out FILE]
+      [--nodes 3 --devices 2 --rate 1gbit --steps 60 --kill 2@20 --restart_after 20] [--copy_reps 3] [--out FILE]
 
 The global batch is 24 sequences (`train.batch_size=24`): it divides 3 x 2 and 2 x 2 devices (the
 configs' 32 does not divide 6). Needs root, like cluster.py.
@@ -16,6 +23,7 @@ configs' 32 does not divide 6). Needs root, like cluster.py.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -36,24 +44,33 @@ def spread_present(values: list) -> dict | None:
   return {**spread(values), "n": len(values)} if values else None
 
 
-def one_run(args, gin_file: str, kill: str | None, port: int) -> dict:
+def one_run(args, gin_file: str, kill: str | None, port: int, copies: str | None = None) -> dict:
+  """One run on the emulated cluster: with `kill` (and a restart), uninterrupted, or with `copies` ("off",
+  "every_step", "default") for the copies' cost."""
+  steps = args.copy_steps if copies else args.steps
   argv = [f"--gin_file={gin_file}", f"--nodes={args.nodes}", f"--devices={args.devices}", f"--rate={args.rate}",
-          f"--steps={args.steps}", f"--port={port}", f"--timeout={args.timeout}",
+          f"--steps={steps}", f"--port={port}", f"--timeout={args.timeout}",
           *[f"--gin_param={p}" for p in ["train.batch_size=24", *args.gin_param]]]
   if kill:
-    argv += [f"--kill={kill}", f"--restart_after={args.restart_after}"]
+    argv += [f"--kill={kill}", f"--restart_after={args.restart_after}",
+             f"--gin_param=train.replica_every={args.replica_every}"]
+  argv += {None: [], "off": [], "default": ["--supervised"],
+           "every_step": ["--supervised", "--gin_param=train.replica_every=1"]}[copies]
   workdir = tempfile.mkdtemp(prefix="zjx-node-loss-")
   run_args = cluster.parser().parse_args(argv + [f"--workdir={workdir}"])
   started = time.time()
   try:
     out = cluster.run(run_args)
   except (cluster.ClusterError, ValueError) as e:
-    return {"gin_file": gin_file, "kill": kill, "error": str(e)[-2000:], "wall_s": time.time() - started}
+    return {"gin_file": gin_file, "kill": kill, "copies": copies, "error": str(e)[-2000:],
+            "wall_s": time.time() - started}
   finally:
     import shutil
     shutil.rmtree(workdir, ignore_errors=True)
   rec = {"gin_file": gin_file, "kill": kill, "wall_s": out["wall_s"], "final_eval_loss": out.get("final_eval_loss"),
          "final_loss": out.get("final_loss"), "median_step_time_s": out["median_step_time_s"]}
+  if copies:
+    rec["copies"] = copies
   if kill:
     events = (out.get("membership") or {}).get("events", [])
     lost = next((e for e in events if e["kind"] == "node_lost"), None)
@@ -65,8 +82,27 @@ def one_run(args, gin_file: str, kill: str | None, port: int) -> dict:
   return rec
 
 
+def copy_cost(runs: list[dict], every_s: float) -> dict | None:
+  """The copies' cost from the `copies` runs: each mode's median step time, the seconds one copy adds to
+  its step (every step against off), and that as a share of the step (every step) and of `every_s` (the
+  default cadence: one copy per `every_s` seconds)."""
+  ok = [r for r in runs if r.get("copies") and "error" not in r]
+  if not ok:
+    return None
+  out = {mode: spread_present([r["median_step_time_s"] for r in ok if r["copies"] == mode])
+         for mode in ("off", "every_step", "default")}
+  if out["off"] and out["every_step"]:
+    per_copy = out["every_step"]["median"] - out["off"]["median"]
+    out.update(per_copy_s=per_copy, overhead_every_step=per_copy / out["off"]["median"],
+               overhead_default_cadence=max(per_copy, 0.0) / every_s)
+  if out["off"] and out["default"]:
+    out["measured_overhead_default"] = out["default"]["median"] / out["off"]["median"] - 1
+  return out
+
+
 def summarize(runs: list[dict]) -> dict:
   out = {}
+  runs = [r for r in runs if not r.get("copies")]
   for gin_file in sorted({r["gin_file"] for r in runs}):
     mine = [r for r in runs if r["gin_file"] == gin_file and "error" not in r]
     killed, base = [r for r in mine if r["kill"]], [r for r in mine if not r["kill"]]
@@ -100,6 +136,10 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=60)
   ap.add_argument("--kill", default="2@20")
   ap.add_argument("--restart_after", type=float, default=20)
+  ap.add_argument("--replica_every", type=int, default=1, help="train.replica_every of the runs with a kill")
+  ap.add_argument("--copy_reps", type=int, default=3, help="runs per mode (off, every step, default) for the copies' "
+                  "cost (0: none)")
+  ap.add_argument("--copy_steps", type=int, default=30)
   ap.add_argument("--gin_param", action="append", default=[])
   ap.add_argument("--port", type=int, default=12500)
   ap.add_argument("--timeout", type=float, default=1800)
@@ -118,7 +158,16 @@ def main(argv=None) -> int:
         rec["rep"] = rep
         runs.append(rec)
         print(json.dumps(rec), file=sys.stderr, flush=True)
-  out = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "summary": summarize(runs), "runs": runs}
+  for rep in range(args.copy_reps):
+    for copies in ("off", "every_step", "default"):
+      rec = {**one_run(args, args.configs[0], None, port, copies), "rep": rep}
+      port += 20
+      runs.append(rec)
+      print(json.dumps(rec), file=sys.stderr, flush=True)
+  from zerojax.train.trainer import train  # the default cadence, as train.py runs it
+  every_s = inspect.signature(train).parameters["replica_every_s"].default
+  out = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "summary": summarize(runs),
+         "copies": copy_cost(runs, every_s), "runs": runs}
   text = json.dumps(out, indent=2)
   if args.out:
     with open(args.out, "w") as f:

@@ -17,11 +17,12 @@ Ethernet frames, so they include TCP/IP headers, acknowledgements and the coordi
   python benchmarks/cluster.py --gin_file=configs/zeropp.gin --rate 100mbit [--delay 1ms] \\
       [--nodes 2 --devices 4] [--steps 12] [--gin_param=model_config.num_layers=2]
 
-A node that dies: `--kill NODE@STEP` SIGKILLs that node's process when the lead logs STEP, and
-`--restart_after SECONDS` starts it again that long after, as a cluster manager would. The run is then
-driven by the supervisor (`zerojax.train.supervisor`): the survivors restart with one node fewer from
-their own copies (each node's in WORKDIR/replicas/node<i>, its emulated local disk), and the node
-rejoins; the JSON gains `membership` (each loss and rejoin: time to detect, time to resume, steps lost).
+A node that dies: `--kill NODE@STEP` SIGKILLs that node's process when the lead logs STEP (`--hang`
+SIGSTOPs it: the supervisor's watchdog ends it), `--restart_after SECONDS` starts it again that long
+after. The supervisor (`zerojax.train.supervisor`) restarts the survivors with one node fewer from their
+own copies (WORKDIR/replicas/node<i>, the emulated local disks), and the node rejoins; the JSON gains
+`membership` (each loss and rejoin: time to detect, time to resume, steps lost). `--supervised` runs
+under the supervisor without a fault (the nodes write their copies).
 
 Prints one JSON object. Needs root, `ip`, `tc` and `unshare`; namespaces, links and processes are
 removed on exit, also on failure, Ctrl-C or SIGTERM.
@@ -268,7 +269,7 @@ def _child_env() -> dict[str, str]:
 
 
 def _supervised(net: Network, args, workdir: str, env: dict, logs: list):
-  """The supervisor of a run with `--kill` / `--restart_after`: each start in the node's namespace."""
+  """The supervisor of a run with `--kill` or `--hang`: each start in the node's namespace."""
   from zerojax.train import supervisor as supervisor_lib
   env = {**env, "JAX_COMPILATION_CACHE_DIR": env.get("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax-cache")),
          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
@@ -282,19 +283,16 @@ def _supervised(net: Network, args, workdir: str, env: dict, logs: list):
 
   return supervisor_lib.Supervisor(
       len(net.ns), launch, workdir, lambda n: os.path.join(workdir, "replicas", f"node{n}"),
-      restart_after=args.restart_after, kill_at=dict([supervisor_lib.parse_kill(args.kill)]),
-      log=lambda m: print(m, file=sys.stderr, flush=True))
+      restart_after=args.restart_after, kill_at=dict([supervisor_lib.parse_kill(args.kill)] if args.kill else []),
+      hang_at=dict([supervisor_lib.parse_kill(args.hang, "--hang")] if args.hang else []),
+      watchdog_floor_s=args.watchdog_floor, log=lambda m: print(m, file=sys.stderr, flush=True))
 
 
 def _read_metrics(path: str) -> list[dict]:
   if not os.path.exists(path):
     return []
-  rows = []
   with open(path) as f:
-    for line in f:
-      if line.endswith("\n"):
-        rows.append(json.loads(line))
-  return rows
+    return [json.loads(line) for line in f if line.endswith("\n")]  # the lines written whole
 
 
 def _tail(path: str, n: int = 3000) -> str:
@@ -355,7 +353,7 @@ def run(args) -> dict:
     env = _child_env()
     for i in range(args.nodes):
       logs.append(open(os.path.join(workdir, f"node{i}.log"), "w"))
-    if args.kill:
+    if args.kill or args.hang or args.supervised:
       sup = _supervised(net, args, workdir, env, logs)
       sup.start(list(range(args.nodes)))
     else:
@@ -429,7 +427,7 @@ def run(args) -> dict:
       "final_loss": summary.get("final_loss"), "final_eval_loss": summary.get("final_eval_loss"), "wall_s": wall,
   }
   if sup is not None:
-    out["kill"], out["restart_after"] = args.kill, args.restart_after
+    out["kill"], out["hang"], out["restart_after"] = args.kill, args.hang, args.restart_after
     out["membership"], out["final_nodes"] = summary.get("membership"), summary.get("nodes")
     out["steps_logged"] = sorted(rows)
   if late:
@@ -460,6 +458,9 @@ def parser() -> argparse.ArgumentParser:
                   help="SIGKILL node NODE's process when the lead logs STEP; the supervisor restarts the others")
   ap.add_argument("--restart_after", type=float, default=None, metavar="SECONDS",
                   help="with --kill: start the killed node again this long after its loss")
+  ap.add_argument("--hang", default=None, metavar="NODE@STEP", help="like --kill, with SIGSTOP (the watchdog's test)")
+  ap.add_argument("--watchdog_floor", type=float, default=120, help="the supervisor's (zerojax.cli.supervise's)")
+  ap.add_argument("--supervised", action="store_true", help="run under the supervisor (node copies on) without a fault")
   return ap
 
 
@@ -468,15 +469,15 @@ def main(argv=None) -> int:
   if args.nodes < 2 or args.devices < 1:
     print(f"need --nodes >= 2 and --devices >= 1 (got {args.nodes}, {args.devices})", file=sys.stderr)
     return 2
-  if args.restart_after is not None and not args.kill:
-    print("--restart_after goes with --kill NODE@STEP", file=sys.stderr)
+  if args.restart_after is not None and not (args.kill or args.hang):
+    print("--restart_after goes with --kill or --hang NODE@STEP", file=sys.stderr)
     return 2
-  if args.kill:
+  for flag, value in [(f, v) for f, v in (("--kill", args.kill), ("--hang", args.hang)) if v is not None]:
     from zerojax.train.supervisor import parse_kill
     try:
-      node, _ = parse_kill(args.kill)
+      node = parse_kill(value, flag)[0]
       if not 0 <= node < args.nodes:
-        raise ValueError(f"--kill names node {node}, but the nodes are 0..{args.nodes - 1}")
+        raise ValueError(f"{flag} names node {node}, but the nodes are 0..{args.nodes - 1}")
     except ValueError as e:
       print(f"cluster: {e}", file=sys.stderr)
       return 2

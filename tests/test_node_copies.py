@@ -1,13 +1,17 @@
 """A node's own copies (`zerojax.train.replica`) against faults: written durably (files and folder
 fsynced, a rewritten step renamed away before it is removed), a copy that does not read completely
-falls back to an earlier copy or to the checkpoint, and copies of another run are never restored."""
+falls back to an earlier copy or to the checkpoint, and copies of another run are never restored; the
+copy is written on a thread (a failure said in one line), at a cadence turned from seconds into steps."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import threading
+import time
 
 import jax
+import numpy as np
 import pytest
 
 import zerojax
@@ -104,3 +108,70 @@ def test_a_copy_is_fsynced_and_a_rewritten_step_is_renamed_away_before_it_is_rem
   (away, _), (new, _) = [(r[0], r[1]) for r in renames]
   assert away == "2" and new.startswith(".tmp-2-") and [r[1] for r in renames] == [f".old-2-{os.getpid()}", "2"]
   assert replica.read_meta(folder, 2)["seed"] == 6 and sorted(os.listdir(folder)) == ["2"]
+
+
+# -- the copy on a thread, and its cadence ------------------------------------------------------------
+
+def test_a_copy_is_written_on_a_thread_while_the_steps_go_on(setup, tmp_path, monkeypatch):
+  """`Writer.save` returns once the arrays are off the devices; the files are written on its thread (here
+  held by a slow disk), and the next save waits for the write in flight."""
+  ex, state = setup
+  folder, real, release, writing = str(tmp_path / "node0"), np.savez, threading.Event(), []
+
+  def slow(path, **arrays):
+    writing.append(path)
+    assert release.wait(60)
+    real(path, **arrays)
+
+  monkeypatch.setattr(np, "savez", slow)
+  writer = replica.Writer()
+  writer.save(ex, at(state, 3), folder, 0, seed=5)
+  deadline = time.monotonic() + 30
+  while not writing:
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+  assert replica.steps(folder) == []  # the save returned before its copy is complete
+  second = threading.Thread(target=writer.save, args=(ex, at(state, 4), folder, 0), kwargs={"seed": 5})
+  second.start()
+  second.join(0.3)
+  assert second.is_alive() and len(writing) == 1  # one write in flight: the next save waits for it
+  release.set()
+  second.join(60)
+  writer.wait()
+  assert replica.steps(folder) == [3, 4] and int(replica.restore(ex, 4, [True, False], {0: folder}).step) == 4
+
+
+def test_a_failed_write_surfaces_as_one_line_at_the_next_save_or_at_the_end(setup, tmp_path, monkeypatch):
+  ex, state = setup
+  folder, failed = str(tmp_path / "node0"), threading.Event()
+
+  def full(path, **arrays):
+    failed.set()
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(np, "savez", full)
+  writer = replica.Writer()
+  writer.save(ex, at(state, 3), folder, 0, seed=5)  # returns: the disk fails on the writer's thread
+  assert failed.wait(30)
+  monkeypatch.undo()
+  with pytest.raises(replica.CopyError) as e:
+    writer.save(ex, at(state, 4), folder, 0, seed=5)
+  assert str(e.value) == (f"writing the node copy of step 3 to {folder} failed (OSError: [Errno 28] No space left "
+                          "on device); the earlier copies are kept: free space on that disk or point --replica_dir "
+                          "elsewhere, then run again")
+  assert isinstance(e.value, OSError)  # train.py prints it as its one `error:` line and exits 2
+  monkeypatch.setattr(np, "savez", full)
+  writer.save(ex, at(state, 5), folder, 0, seed=5)
+  with pytest.raises(replica.CopyError, match="of step 5 "):
+    writer.wait()  # the end of the run
+  writer.wait()  # said once
+  assert replica.steps(folder) == []
+
+
+def test_the_cadence_turns_seconds_into_steps_once(monkeypatch):
+  """About every 2 s at 0.5 s per step (measured after the first, compiling, step): every 4 steps."""
+  clock = iter([0.0, 30.0, 30.5, 31.0, 31.5])
+  monkeypatch.setattr(replica.time, "monotonic", lambda: next(clock))
+  cadence = replica.Cadence(None, 2.0)
+  assert [s for s in range(1, 14) if cadence.due(s)] == [8, 12] and cadence.every == 4
+  assert [s for s in range(1, 8) if replica.Cadence(3, 120.0).due(s)] == [3, 6]

@@ -302,7 +302,8 @@ def test_a_node_dies_the_others_train_on_and_it_rejoins(tmp_path):
   from tests.train_helpers import ROOT, TINY, clean_env
   steps = 8
   params = [p for p in TINY if not p.startswith("train.batch_size")] + [
-      "train.batch_size=24", f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0"]
+      "train.batch_size=24", f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0",
+      "train.replica_every=1"]
   cmd = [sys.executable, "-m", "zerojax.cli.supervise", "--nodes=3", "--devices=2", f"--workdir={tmp_path}",
          f"--port={free_port()}", "--kill=2@3", "--restart_after=1", "--", "--gin_file=configs/mics.gin",
          *[f"--gin_param={p}" for p in params]]

@@ -117,6 +117,7 @@ def test_train_py_keeps_compiled_programs_unless_told_otherwise(monkeypatch, tmp
     ({"accum_steps": 0, "replica_every": 0},
      "train.accum_steps=0 must be at least 1; train.replica_every=0 must be at least 1"),
     ({"keep_checkpoints": 0}, "train.keep_checkpoints=0 must be at least 1"),
+    ({"replica_every_s": 0}, "train.replica_every_s=0 must be a number of seconds above 0"),
     ({"steps": 2.5}, "train.steps=2.5 must be a whole number"),
     ({"eval_batches": True}, "train.eval_batches=True must be a whole number"),
     ({"steps": None}, "train.steps=None must be a whole number"),

@@ -6,13 +6,20 @@ process dies is dropped and the survivors train on from their own copies; it rej
 
 Each node is one train.py process with `--devices` CPU devices and its own folder DIR/replicas/node<i>
 (`--replica_root`); the arguments after `--` go to every train.py. `--kill NODE@STEP` SIGKILLs that
-node's process once step STEP is logged; `--restart_after SECONDS` starts a lost node again that long
-after its loss, as a cluster manager would. Exits with the run's status (0: finished; 1: stopped, with
-one line saying why and where it resumes; 2: every node's train.py stopped with a usage error, whose line
-it prints). Ctrl-C, SIGTERM or SIGHUP: the nodes finish their step and save a checkpoint (SIGKILL after
---stop_grace seconds, or at once on a second signal); exits 130 / 143 / 129. On a cluster, run the same
-supervisor with a `launch` that starts the node's process on its host (`benchmarks/cluster.py` starts
-them in network namespaces).
+node's process once step STEP is logged, `--hang NODE@STEP` SIGSTOPs it (the watchdog ends it);
+`--restart_after SECONDS` starts a lost node again that long after its loss, as a cluster manager would.
+
+A watchdog takes a node that completed no step for max(--watchdog_k x the median step time,
+--watchdog_floor) seconds (--watchdog_first until a start's first step) for hung: one whose heartbeat
+stopped is ended and lost, and when every heartbeat goes on, every node is started again. Restarts are
+capped (--max_restarts), a start that trained no step is retried after --restart_backoff seconds,
+doubled each time in a row, and the run stops below --min_nodes nodes.
+
+Exits with the run's status (0: finished; 1: stopped, with one line saying why and where it resumes; 2:
+every node's train.py stopped with a usage error, whose line it prints). Ctrl-C, SIGTERM or SIGHUP: the
+nodes finish their step and save a checkpoint (SIGKILL after --stop_grace seconds, or at once on a
+second signal); exits 130 / 143 / 129. On a cluster, run the same supervisor with a `launch` that starts
+the node's process on its host (`benchmarks/cluster.py` starts them in network namespaces).
 """
 from __future__ import annotations
 
@@ -37,8 +44,27 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--port", type=int, default=12400, help="coordinator port (one more for each restart)")
   ap.add_argument("--kill", action="append", default=[], metavar="NODE@STEP",
                   help="SIGKILL node NODE's process once step STEP is logged (repeatable)")
+  ap.add_argument("--hang", action="append", default=[], metavar="NODE@STEP",
+                  help="SIGSTOP node NODE's process once step STEP is logged (repeatable; the watchdog's test)")
   ap.add_argument("--restart_after", type=float, default=None, metavar="SECONDS",
                   help="start a lost node again this long after its loss (default: never)")
+  ap.add_argument("--watchdog_k", type=float, default=10,
+                  help="a node that completed no step for K x the median step time (at least --watchdog_floor) "
+                       "is hung; 0 turns the watchdog off")
+  ap.add_argument("--watchdog_floor", type=float, default=120, metavar="SECONDS",
+                  help="the least time a node may go without completing a step")
+  ap.add_argument("--watchdog_first", type=float, default=1800, metavar="SECONDS",
+                  help="the time a start may take to its first step (starting, restoring, compiling), and the "
+                       "final save after the last step")
+  ap.add_argument("--max_restarts", type=int, default=10,
+                  help="restarts after a lost node or a hang before the run stops (a rejoin is not counted)")
+  ap.add_argument("--restart_backoff", type=float, default=1.0, metavar="SECONDS",
+                  help="wait before restarting after a start that trained no step; doubled for each such "
+                       f"restart in a row, at most {supervisor_lib.MAX_BACKOFF_S:g} s")
+  ap.add_argument("--min_nodes", type=int, default=1, help="stop the run when fewer nodes are left")
+  ap.add_argument("--initialization_timeout", type=int, default=60, metavar="SECONDS",
+                  help="train.py --initialization_timeout of the restarts: how long their processes wait for "
+                       "each other (the first start keeps train.py's 300)")
   ap.add_argument("--logs", default=None, help="folder for each process's output (default WORKDIR/logs)")
   ap.add_argument("--stop_grace", type=float, default=120, metavar="SECONDS",
                   help="on Ctrl-C, SIGTERM or SIGHUP (and before a rejoin), seconds the nodes get to save "
@@ -55,12 +81,24 @@ def main(argv=None) -> int:
     return 2
   try:
     kill_at = dict(supervisor_lib.parse_kill(k) for k in args.kill)
+    hang_at = dict(supervisor_lib.parse_kill(k, "--hang") for k in args.hang)
   except ValueError as e:
     print(f"supervise: {e}", file=sys.stderr)
     return 2
-  bad = [n for n in kill_at if not 0 <= n < args.nodes]
+  bad = [(flag, n) for flag, faults in (("--kill", kill_at), ("--hang", hang_at)) for n in faults
+         if not 0 <= n < args.nodes]
   if bad:
-    print(f"supervise: --kill names node {bad[0]}, but the nodes are 0..{args.nodes - 1}", file=sys.stderr)
+    print(f"supervise: {bad[0][0]} names node {bad[0][1]}, but the nodes are 0..{args.nodes - 1}", file=sys.stderr)
+    return 2
+  bad = [f"--{k}={getattr(args, k):g} must be 0 or more" for k in ("watchdog_k", "watchdog_floor", "watchdog_first",
+                                                                    "max_restarts", "restart_backoff")
+         if getattr(args, k) < 0]
+  if not 1 <= args.min_nodes <= args.nodes:
+    bad.append(f"--min_nodes={args.min_nodes} must be 1..{args.nodes} (--nodes)")
+  if args.initialization_timeout < 1:
+    bad.append(f"--initialization_timeout={args.initialization_timeout} must be 1 or more")
+  if bad:
+    print(f"supervise: {'; '.join(bad)}", file=sys.stderr)
     return 2
   workdir = os.path.abspath(args.workdir)
   root = os.path.abspath(args.replica_root or os.path.join(workdir, "replicas"))
@@ -86,7 +124,11 @@ def main(argv=None) -> int:
   sup = supervisor_lib.Supervisor(args.nodes, launch, workdir, lambda n: os.path.join(root, f"node{n}"),
                                   restart_after=args.restart_after, kill_at=kill_at,
                                   log=lambda m: print(m, flush=True), stop_grace_s=args.stop_grace,
-                                  error_line=lambda n: error_line(os.path.join(logs, f"node{n}.log")))
+                                  error_line=lambda n: error_line(os.path.join(logs, f"node{n}.log")),
+                                  hang_at=hang_at, watchdog_k=args.watchdog_k, watchdog_floor_s=args.watchdog_floor,
+                                  watchdog_first_s=args.watchdog_first, max_restarts=args.max_restarts,
+                                  restart_backoff_s=args.restart_backoff, min_nodes=args.min_nodes,
+                                  init_timeout_s=args.initialization_timeout)
   try:
     return sup.run()  # passes SIGINT, SIGTERM and SIGHUP on to the nodes
   except KeyboardInterrupt:  # before the supervisor took the signal over

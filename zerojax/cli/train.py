@@ -75,14 +75,20 @@ def parser(with_parameters: bool = False) -> argparse.ArgumentParser:
   ap.add_argument("--process_id", type=int, default=None)
   ap.add_argument("--heartbeat_timeout", type=int, default=30,
                   help="seconds after which a silent process counts as dead and the others stop (multi-host)")
+  ap.add_argument("--initialization_timeout", type=int, default=300,
+                  help="seconds the processes wait for each other to start (multi-host; jax.distributed."
+                       "initialize); the supervisor passes a shorter one to its restarts")
   ap.add_argument("--replica_dir", default=None,
-                  help="this node's own folder (local disk) for its copy of the train state, written every "
-                       "train.replica_every steps; a start resumes from the latest step every node holds, on "
-                       "any number of nodes (plans with a full replica per node; docs/training.md, \"When a "
-                       "node dies\")")
+                  help="this node's own folder (local disk) for its copy of the train state, written about "
+                       "every train.replica_every_s seconds (or train.replica_every steps); a start resumes from "
+                       "the latest step every node holds, on any number of nodes (plans with a full replica per "
+                       "node; docs/training.md, \"When a node dies\")")
   ap.add_argument("--join", action="store_true",
                   help="with --replica_dir: this node has no current copy (restarted or replaced) and takes "
                        "it from the others")
+  ap.add_argument("--progress_file", default=None, metavar="FILE",
+                  help="rewrite FILE every second with the last completed step (the heartbeat that python -m "
+                       "zerojax.cli.supervise's watchdog reads; set by it)")
   ap.add_argument("--event", default=None, metavar="JSON",
                   help="the membership change this start follows, recorded in metrics.jsonl (set by "
                        "python -m zerojax.cli.supervise)")
@@ -160,6 +166,16 @@ def _run(args) -> int:
     raise ConfigError("--join and --event go with --replica_dir (the node's own folder); add it or drop them")
   if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
     raise ConfigError(f"--workdir {args.workdir!r} is a file; pass a folder (created if missing)")
+  from zerojax.train import progress as progress_lib
+  progress = progress_lib.Progress(args.progress_file) if args.progress_file else None  # beats from here on
+  try:
+    return _run_training(args, progress)
+  finally:
+    if progress is not None:
+      progress.close()
+
+
+def _run_training(args, progress) -> int:
   devices = set_device_count(args.devices)
   set_compilation_cache(args.compilation_cache, _has_accelerator())
   import jax
@@ -168,7 +184,7 @@ def _run(args) -> int:
   allowed = config_lib.check_allowed(args.allow_changed)  # before any slow start
   from zerojax.mesh import launched_processes
   if args.coordinator or launched_processes() > 1 or os.environ.get("JAX_COORDINATOR_ADDRESS"):
-    _initialize_distributed(args)
+    initialize_distributed(args)
   bindings = list(args.gin_param)
   if args.model is not None:
     from zerojax.train import user_model
@@ -185,7 +201,8 @@ def _run(args) -> int:
       node_copy = replica.NodeCopy(os.path.abspath(args.replica_dir), args.join, _event(args.event))
       replica.claim(node_copy.directory, replica.run_id(args.workdir))  # another run's copies are not used
     summary = trainer.train(args.workdir, args.data, restore_from=args.restore_from, allow_changed=allowed,
-                            node_copy=node_copy, eval_data=args.eval_data, start_over=args.start_over)
+                            node_copy=node_copy, eval_data=args.eval_data, start_over=args.start_over,
+                            heartbeat=progress)
   if jax.process_index() == 0:
     print(json.dumps(summary))
   stopped = summary.get("stopped_by")
@@ -236,18 +253,20 @@ def set_device_count(devices: int | None) -> str | None:
   return "the default; set --devices to change it"
 
 
-def _initialize_distributed(args) -> None:
+def initialize_distributed(args) -> None:
   """`jax.distributed.initialize` wherever a launcher started several processes (Slurm, Open MPI, MPI, or
   JAX's variables, which examples/k8s sets), one per node or one per GPU, with a heartbeat timeout: when
-  one process dies, the others stop within about `--heartbeat_timeout` seconds. A job that names several
-  processes but comes up as one stops with one line."""
+  one process dies, the others stop within about `--heartbeat_timeout` seconds; a process whose peers do
+  not all start stops after `--initialization_timeout` seconds. A job that names several processes but
+  comes up as one stops with one line."""
   import jax
   from zerojax import mesh as mesh_lib
   launched = mesh_lib.launched_processes()
   try:
     mesh_lib.initialize_distributed(args.coordinator, args.num_processes, args.process_id,
                                     visible_gpus=_visible_gpus(), heartbeat_timeout_seconds=args.heartbeat_timeout,
-                                    shutdown_timeout_seconds=args.heartbeat_timeout)
+                                    shutdown_timeout_seconds=args.heartbeat_timeout,
+                                    initialization_timeout=args.initialization_timeout)
   except ValueError as e:
     if launched > 1 and "coordinator" in str(e) and not args.coordinator:
       raise ConfigError(f"the launcher names {launched} processes but this one cannot find the others (no "
@@ -326,7 +345,8 @@ def parameters_help() -> str:
       default = "REQUIRED" if p.default is gin.REQUIRED or p.default is p.empty else repr(p.default)
       rows.append((f"{prefix}.{name} = {default}", docs.get(name, "")))
 
-  add("train", trainer.train, skip=("workdir", "data", "eval_data", "restore_from", "allow_changed", "start_over"))
+  add("train", trainer.train, skip=("workdir", "data", "eval_data", "restore_from", "allow_changed", "start_over",
+                                    "heartbeat"))
   add("model_config", trainer.model_config)
   add("make_optimizer", make_optimizer, skip=("total_steps",))
   add("zeropp", plan_lib.zeropp, docs={"weight_bits": "qwZ: bits of the forward weight gather (None: off)",

@@ -163,7 +163,7 @@ RUN_COUNTS = {
     "steps": (1, None, False), "batch_size": (1, None, False), "accum_steps": (1, None, False),
     "checkpoint_every": (0, "only at the end and on SIGINT/SIGTERM", False), "keep_checkpoints": (1, None, True),
     "eval_every": (0, "only at the end", False), "eval_batches": (1, None, False), "log_every": (1, None, False),
-    "max_consecutive_skips": (1, None, False), "max_data_bytes": (1, None, True), "replica_every": (1, None, False),
+    "max_consecutive_skips": (1, None, False), "max_data_bytes": (1, None, True), "replica_every": (1, None, True),
     "num_nodes": (1, None, True), "pad_multiple": (1, None, True), "seed": (None, None, False),
 }
 
@@ -186,6 +186,10 @@ def check_run_settings(**settings) -> None:
       bad.append(f"train.{name}={v!r} must be a whole number" + (" or None" if none_ok else ""))
     elif least is not None and v < least:
       bad.append(f"train.{name}={v} must be at least {least}" + (f" (0: {zero})" if zero else ""))
+  every_s = settings.get("replica_every_s", 1.0)
+  if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s > 0:
+    bad.append(f"train.replica_every_s={every_s!r} must be a number of seconds above 0 (or set train.replica_every "
+               "to a number of steps)")
   if bad:
     raise ConfigError("; ".join(bad) + "; fix the config or --gin_param")
 

@@ -1,5 +1,5 @@
-"""A node's own copy of the train state, written to its local disk every few steps, and the restore of a
-run onto another number of nodes from the copies its nodes hold.
+"""A node's own copy of the train state, written to its local disk every few minutes, and the restore of
+a run onto another number of nodes from the copies its nodes hold.
 
 Plans that hold a full replica of the model states on every node (MiCS with a group inside a node, with
 or without Radius; DiLoCo over it; data parallelism) lose nothing the survivors do not hold when a node
@@ -8,6 +8,10 @@ leaf that is the same on every node, and its own row of each leaf held one row p
 replicas, Radius's residuals). A write goes to a temporary folder whose files and folder are fsynced, then
 renamed to `<step>` (an earlier copy of that step is renamed away first and removed after), so a failure
 while writing leaves the previous copies as they were; the last `keep` are kept.
+
+The training loop copies the arrays off the devices at the save point and writes the files on a thread
+of its own (`Writer`) while the next steps run; `Cadence` says at which steps (every process copies at
+the same step: the conversion to the logical layout is one program over the mesh).
 
 Copies are data, never code (`np.load` without pickles). Each records the run it belongs to (`run_id`:
 the workdir's, written there by the run's first start; `claim` stamps the node's folder with it): a start
@@ -38,6 +42,8 @@ import dataclasses
 import json
 import os
 import shutil
+import threading
+import time
 import uuid
 import zipfile
 import zlib
@@ -181,14 +187,23 @@ def read_meta(directory: str, step: int) -> dict:
     return json.load(f)
 
 
-def _node_part(x, mesh, node: int, row: bool) -> np.ndarray:
-  """Node `node`'s part of the global array `x`: the whole array (every node's devices hold all of it),
-  or with `row` its row of a per-node leaf. Reads only this process's shards."""
-  devices = set(mesh.devices[node].flat)
-  out = np.zeros(x.shape[1:] if row else x.shape, x.dtype)
+def _node_shards(x, mesh, node: int) -> list:
+  """The shards of `x` on node `node`'s devices, one per distinct part (a part several devices hold is
+  read once)."""
+  devices, seen, out = set(mesh.devices[node].flat), set(), []
   for s in x.addressable_shards:
-    if s.device not in devices:
-      continue
+    key = tuple((i.start, i.stop) for i in s.index)
+    if s.device in devices and key not in seen:
+      seen.add(key)
+      out.append(s)
+  return out
+
+
+def _node_part(shards, shape, dtype, row: bool) -> np.ndarray:
+  """Node `node`'s part of a global array from its shards (`_node_shards`): the whole array (every
+  node's devices hold all of it), or with `row` its row of a per-node leaf."""
+  out = np.zeros(shape[1:] if row else shape, dtype)
+  for s in shards:
     data, index = np.asarray(s.data), tuple(s.index)
     if row:
       data, index = data[0], index[1:]
@@ -196,25 +211,42 @@ def _node_part(x, mesh, node: int, row: bool) -> np.ndarray:
   return out
 
 
+def take(executor, state, node: int, **meta) -> tuple[dict[str, np.ndarray], dict]:
+  """Node `node`'s copy of `state` on the host: its arrays (keyed like the checkpoint's leaves) and its
+  meta. The device-to-host part of a save: every process calls it at the same step (the conversion to
+  the logical layout is one program over the mesh); only `node`'s shards are read, which must be this
+  process's. Every shard's transfer starts before the first is waited for."""
+  spec = state_spec_of(executor)
+  values = spec.unnest(logical_state(executor, state))
+  shards = [_node_shards(x, executor.mesh, node) for x in values]
+  for s in (s for part in shards for s in part):
+    s.data.copy_to_host_async()
+  arrays = {SEP.join(l.names): _node_part(part, x.shape, x.dtype, per_node(executor, l))
+            for l, x, part in zip(spec.leaves, values, shards)}
+  info = {"step": int(state.step), "node": node, "nodes": int(executor.mesh.shape[NODE]),
+          "plan": executor.plan.name, **meta}
+  return arrays, info
+
+
 def save(executor, state, directory: str, node: int, keep: int = 2, **meta) -> str:
   """Writes node `node`'s copy of `state` to `directory/<step>` (atomically); keeps the last `keep`
   and removes copies of later steps (left from before a restart). Every process calls it at the same
-  step (the conversion to the logical layout is one program over the mesh); only `node`'s shards are
-  read, which must be this process's. Returns the folder."""
-  spec = state_spec_of(executor)
-  values = spec.unnest(logical_state(executor, state))
-  step = int(state.step)
-  arrays = {SEP.join(l.names): _node_part(x, executor.mesh, node, per_node(executor, l))
-            for l, x in zip(spec.leaves, values)}
+  step (`take`). Returns the folder."""
+  arrays, info = take(executor, state, node, **meta)
+  return write(directory, arrays, info, keep)
+
+
+def write(directory: str, arrays: dict[str, np.ndarray], info: dict, keep: int = 2) -> str:
+  """Writes a copy taken by `take` to `directory/<step>` (the module docstring's steps); returns the
+  folder. Reads no device: `Writer` runs it on its thread."""
+  step = info["step"]
   os.makedirs(directory, exist_ok=True)
   tmp = os.path.join(directory, f".tmp-{step}-{os.getpid()}")
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
   np.savez(os.path.join(tmp, STATE), **arrays)
-  info = {"step": step, "node": node, "nodes": int(executor.mesh.shape[NODE]), "plan": executor.plan.name,
-          "run": owner(directory), **meta}
   with open(os.path.join(tmp, META), "w") as f:
-    json.dump(info, f)
+    json.dump({**info, "run": owner(directory)}, f)
   for name in (STATE, META, ""):  # the files, then the folder's entries
     _fsync(os.path.join(tmp, name))
   final = os.path.join(directory, str(step))
@@ -231,6 +263,73 @@ def save(executor, state, directory: str, node: int, keep: int = 2, **meta) -> s
     if d.startswith((".tmp-", ".old-")) and d != os.path.basename(tmp):
       shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
   return final
+
+
+class CopyError(OSError):
+  """Writing a node's copy failed (raised at the save after, or at the end of the run)."""
+
+
+class Writer:
+  """Writes a node's copies on a thread of its own, so that the step does not wait for the disk.
+
+  `save` takes the copy off the devices at the save point (`take`: the next step reuses the state's
+  buffers) and returns; the files are written (`write`) while the next steps run. One write is in flight:
+  a save first waits for the previous one. A write that failed raises `CopyError`, one line naming the
+  step, the folder and the fix, at the next `save` or at `wait`.
+  """
+
+  def __init__(self):
+    self._thread: threading.Thread | None = None
+    self._error: CopyError | None = None
+
+  def save(self, executor, state, directory: str, node: int, keep: int = 2, **meta) -> None:
+    self.wait()
+    arrays, info = take(executor, state, node, **meta)
+    self._thread = threading.Thread(target=self._write, args=(directory, arrays, info, keep),
+                                    name="zerojax-node-copy", daemon=True)
+    self._thread.start()
+
+  def wait(self, quiet: bool = False) -> None:
+    """Waits for the write in flight; raises its error (`quiet`: drops it, e.g. while another is raised)."""
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    error, self._error = self._error, None
+    if error is not None and not quiet:
+      raise error
+
+  def _write(self, directory, arrays, info, keep) -> None:
+    try:
+      write(directory, arrays, info, keep)
+    except Exception as e:  # noqa: BLE001 - raised in the loop's thread, as one line
+      why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+      self._error = CopyError(f"writing the node copy of step {info['step']} to {directory} failed ({why}); the "
+                              "earlier copies are kept: free space on that disk or point --replica_dir elsewhere, "
+                              "then run again")
+
+
+class Cadence:
+  """At which steps a node writes its copy: every `every` steps, or (`every` None) about every `every_s`
+  seconds.
+
+  Every process must copy at the same step (`take`), and their clocks differ: the seconds are turned into
+  steps once per start, from the median time between the steps after the first (which compiles) that
+  process 0 measured over `WARMUP` steps, then kept for the start.
+  """
+  WARMUP = 5
+
+  def __init__(self, every: int | None, every_s: float):
+    self.every, self.every_s, self._times = every, every_s, []
+
+  def due(self, step: int) -> bool:
+    """Whether step `step` (just dispatched) is copied; called by every process after every step."""
+    if self.every is None:
+      self._times.append(time.monotonic())
+      if len(self._times) < self.WARMUP:
+        return False
+      step_s = max(float(np.median(np.diff(self._times[1:]))), 1e-6)
+      self.every = int(from_process0(max(1, round(self.every_s / step_s))))
+    return step % self.every == 0
 
 
 def unusable(directory: str, step: int, run: str | None) -> str | None:

@@ -26,6 +26,7 @@ from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, da
 from zerojax.train import export as export_lib, replica as replica_lib, report, user_model
 from zerojax.train import model_spec as spec_lib, run_metrics, tokenizer as tokenizer_lib
 from zerojax.train.profile import Profile
+from zerojax.train.progress import Progress
 from zerojax.train.model_spec import ModelSpec, llama_config, model_config, model_spec  # noqa: F401  (gin configurables)
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
 from zerojax.train.gin_registry import RUN_SETTINGS  # `train.*` in gin, for every plan
@@ -119,9 +120,10 @@ def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor
 
 
 @gin.configurable(denylist=["workdir", "data", "eval_data", "restore_from", "allow_changed", "node_copy",
-                            "start_over"])
+                            "start_over", "heartbeat"])
 def train(workdir: str, data: str | None = None, restore_from: str | None = None, allow_changed=(),
-          node_copy: replica_lib.NodeCopy | None = None, eval_data: str | None = None, start_over: bool = False, *,
+          node_copy: replica_lib.NodeCopy | None = None, eval_data: str | None = None, start_over: bool = False,
+          heartbeat: Progress | None = None, *,
           plan: Plan = gin.REQUIRED,
           steps: int = 200, checkpoint_every: int = 100, keep_checkpoints: int = 3,
           batch_size: int = 32, accum_steps: int = 1, num_nodes: int | None = None, seed: int = 0,
@@ -129,8 +131,9 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
           max_consecutive_skips: int = 5, data_dtype: str | None = None, tokenizer: str | None = None,
           pad_multiple: int = 256,
           param_dtype: str | None = None, compute_dtype: str | None = None, export: bool = False,
-          progress: bool = True, model: str | None = None, replica_every: int = 1, architecture: str = "gpt",
-          init_from: str | None = None, profile_steps: tuple[int, int] | None = None) -> dict:
+          progress: bool = True, model: str | None = None, replica_every: int | None = None,
+          replica_every_s: float = 120.0, architecture: str = "gpt", init_from: str | None = None,
+          profile_steps: tuple[int, int] | None = None) -> dict:
   """Trains the GPT model (or your own, `model`) on byte-level text under `plan`; writes metrics to `workdir`.
 
   SIGINT (Ctrl-C) and SIGTERM finish the current step, save a checkpoint and stop (a second signal
@@ -149,8 +152,9 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     allow_changed: settings (gin names, e.g. "train.steps") that may differ from the checkpoint's on
       resume; others that differ stop the run (`zerojax.train.config.check_resume`).
     node_copy: this node's own copy of the train state (`train.py --replica_dir`, one process per node):
-      written every `replica_every` steps; a start resumes from the latest step every holder has when it
-      is newer than the checkpoint, on any number of nodes (`zerojax.train.replica`).
+      written about every `replica_every_s` seconds; a start resumes from the latest step every holder has
+      when it is newer than the checkpoint, on any number of nodes (`zerojax.train.replica`).
+    heartbeat: the supervisor's progress file (`train.py --progress_file`), told of each completed step.
     plan: the sharding plan (`@zero3()`, `@mics()`, ... in gin).
     steps: optimizer steps (also the length of the learning-rate schedule).
     checkpoint_every: steps between checkpoints (0: only at the end and on SIGINT/SIGTERM).
@@ -179,7 +183,11 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
       (train.py's --model), called as `function(vocab_size=..., seq_len=...)` with model_config's values;
       it returns a `zerojax.Model` whose loss takes `[batch, seq_len + 1]` int32 byte tokens
       (`zerojax.train.user_model`).
-    replica_every: steps between writes of the node's own copy (with `node_copy`).
+    replica_every: steps between writes of the node's own copy (with `node_copy`); None: by time,
+      `replica_every_s`.
+    replica_every_s: about the seconds between writes of the node's own copy, turned into steps from the
+      first steps' time (`replica.Cadence`); the device-to-host copy is what the step pays, the files are
+      written on a thread.
     start_over: when every checkpoint in workdir was set aside as damaged, start over (from restore_from, or
       step 0) instead of stopping (train.py --start_over).
     eval_data: a separate held-out source (train.py's --eval_data); default the last 5% of `data`.
@@ -214,7 +222,8 @@ def _finite(x):
 def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, checkpoint_every,
            keep_checkpoints, batch_size, accum_steps, num_nodes, seed, eval_every, eval_batches, log_every,
            max_consecutive_skips, data_dtype, tokenizer, eval_data, pad_multiple, param_dtype, compute_dtype,
-           export, progress, model, node_copy, replica_every, architecture, init_from, profile_steps, start_over) -> dict:
+           export, progress, model, node_copy, replica_every, replica_every_s, architecture, init_from, profile_steps,
+           start_over, heartbeat) -> dict:
   allowed = config_lib.check_allowed(allow_changed)
   tok = tokenizer_lib.load(tokenizer) if tokenizer is not None else None
   spec = spec_lib.model_spec(architecture, init_from)
@@ -234,6 +243,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
   check = lambda meta, where: config_lib.check_resume(meta.get("settings"), settings, meta["step"], where, allowed)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=keep_checkpoints)
   log = loader = None
+  writer, cadence = replica_lib.Writer(), replica_lib.Cadence(replica_every, replica_every_s)
   try:
     copies = _node_copies(ex, node_copy)
     found = replica_lib.agree(node_copy.directory, node_copy.joining, seed) if copies else None
@@ -317,6 +327,8 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
                       step_s=f"{done.seconds:.3f}")
       bar.update(1)
       profiler.after(done.step)
+      if heartbeat is not None:
+        heartbeat.completed(done.step, steps)
 
     while step < steps and not stopped:
       batch, data_wait = loader.get(step)
@@ -331,7 +343,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       stopped = stop.requested()
       evaluating = (eval_every and step % eval_every == 0) or step == steps
       saving = (checkpoint_every and step % checkpoint_every == 0) or step == steps or stopped
-      copying = copies and ((step % replica_every == 0 or step == steps) or stopped)
+      copying = copies and (cadence.due(step) or step == steps or stopped)
       logged = step % log_every == 0 or evaluating
       # the skip count is one per replica with DiLoCo: every process joins its sum (read with the metrics)
       now = run_metrics.Dispatched(step, metrics, jnp.sum(state.skipped) if logged else None, dispatched, data_wait)
@@ -340,9 +352,8 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       pending = now
       if not (evaluating or saving or copying):
         continue
-      if copying:  # before the step is logged: a logged step is one this node holds
-        replica_lib.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss,
-                         settings=settings)
+      if copying:  # taken before the step is logged; the files are written on the writer's thread
+        writer.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss, settings=settings)
       eval_loss = evaluate(state) if evaluating else None
       finish(pending)  # logged with its eval loss
       pending = None
@@ -352,8 +363,10 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       finish(pending)
     profiler.close()
     ckpt.wait()
+    writer.wait()  # a failed write of a node copy stops the run here, or at the next save
     bar.close()
   finally:
+    writer.wait(quiet=True)
     ckpt.close()
     if loader is not None:
       loader.close()
