@@ -204,16 +204,13 @@ def test_each_of_two_processes_reads_only_its_own_rows(tmp_path):
   import subprocess
   import sys
   from tests.helpers import free_port
+  from tests.train_helpers import outputs_of
   path = token_file(tmp_path / "t.bin", np.random.default_rng(0).integers(0, 900, 50_000), vocab=1000)
   port, worker = free_port(), os.path.join(os.path.dirname(__file__), "data_worker.py")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), path], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
+  outs = outputs_of(procs, timeout=300)
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
   reports = [json.loads(next(l for l in out.splitlines() if l.startswith("{"))) for out in outs]

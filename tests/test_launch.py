@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import free_port
-from tests.train_helpers import ROOT, TINY, clean_env, error_line, records, train
+from tests.train_helpers import ROOT, TINY, clean_env, error_line, outputs_of, records, train
 from zerojax import mesh as mesh_lib
 
 PARAMS = TINY + ["train.steps=4", "train.eval_every=0", "train.checkpoint_every=0"]
@@ -34,11 +34,7 @@ def test_two_processes_per_node_form_the_nodes_and_train_as_one_process(tmp_path
          f"--workdir={tmp_path / 'four'}", "--devices=2"] + [f"--gin_param={p}" for p in PARAMS]
   procs = [subprocess.Popen(cmd, cwd=ROOT, env={**slurm_env(i, port), "SLURM_JOB_ID": job}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(4)]
-  try:
-    outs = [p.communicate(timeout=400)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
+  outs = outputs_of(procs, timeout=400)
   assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
   summary = json.load(open(tmp_path / "four" / "summary.json"))
   assert summary["mesh"] == {"node": 2, "gpu": 4} and summary["nodes"] == 2

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import free_port
 from tests.tokenizer_fixtures import tiny_tokenizers  # noqa: F401  (the session fixture)
-from tests.train_helpers import ROOT, TINY, clean_env, error_line, records, saved_steps, train
+from tests.train_helpers import ROOT, TINY, clean_env, error_line, outputs_of, records, saved_steps, train
 from zerojax.cli.tokenize import tokenize_files
 
 STEPS = 12
@@ -77,11 +77,7 @@ def test_two_processes_of_four_devices_train_as_one_of_eight(token_files, tmp_pa
   port = free_port()
   procs = [popen(tmp_path / "two", data, f"--coordinator=localhost:{port}", "--num_processes=2",
                  f"--process_id={i}", "--devices=4", params=params) for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=400)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
+  outs = outputs_of(procs, timeout=400)
   assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
   one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
   assert sorted(one) == sorted(two) == list(range(1, 7))

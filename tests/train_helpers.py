@@ -130,3 +130,13 @@ def error_line_of(err: str) -> str:
   lines = [l for l in err.splitlines() if l.strip()]
   assert len(lines) == 1 and lines[0].startswith("zerojax: error: ") and "Traceback" not in err, err[-3000:]
   return lines[0]
+
+
+def outputs_of(procs, timeout: float) -> list[str]:
+  """The output of each of `procs` (started with stdout piped, stderr to stdout) once all have exited;
+  every one is killed at the end, whatever happened."""
+  try:
+    return [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()

@@ -12,8 +12,9 @@ ZeRO-3 over this process's devices.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from zerojax.cli import json_command
 
 PROG = "zerojax.cli.evaluate"
 
@@ -29,14 +30,7 @@ def main(argv=None) -> int:
   ap.add_argument("--batch_size", type=int, default=8, help="windows per batch (a multiple of the devices)")
   ap.add_argument("--data_dtype", default=None, help="dtype of a .bin without a sidecar (uint16, uint32)")
   ap.add_argument("--devices", type=int, default=None, help="CPU devices (default as train.py)")
-  args = ap.parse_args(argv)
-  try:
-    out = evaluate(args)
-  except (ValueError, OSError) as e:
-    print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
-    return 2
-  print(json.dumps(out), flush=True)
-  return 0
+  return json_command.run(PROG, evaluate, ap.parse_args(argv))
 
 
 def evaluate(args) -> dict:

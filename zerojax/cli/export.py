@@ -11,10 +11,11 @@ ZeRO-3 and gathered leaf by leaf to this host: run it as one process, on a host 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
+
+from zerojax.cli import json_command
 
 PROG = "zerojax.cli.export"
 
@@ -27,14 +28,7 @@ def main(argv=None) -> int:
   ap.add_argument("--output", required=True, help="the folder (hf) or file (npz) to write; must not exist")
   ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the tensors' dtype (hf)")
   ap.add_argument("--devices", type=int, default=None, help="CPU devices to restore onto (default as train.py)")
-  args = ap.parse_args(argv)
-  try:
-    out = export(args)
-  except (ValueError, OSError) as e:
-    print(f"{PROG}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
-    return 2
-  print(json.dumps(out), flush=True)
-  return 0
+  return json_command.run(PROG, export, ap.parse_args(argv))
 
 
 def export(args) -> dict:
