@@ -44,6 +44,23 @@ def test_two_processes_per_node_form_the_nodes_and_train_as_one_process(tmp_path
   np.testing.assert_allclose([four[s] for s in sorted(four)], [one[s] for s in sorted(one)], rtol=2e-5)
 
 
+@pytest.mark.multiprocess
+def test_jax_variables_as_a_kubernetes_jobset_sets_them_start_the_cluster(tmp_path):
+  """examples/k8s/jobset.yaml's environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID and
+  no flags; on CPUs each process is a node."""
+  port = free_port()
+  cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--gin_file=configs/zero3.gin",
+         f"--workdir={tmp_path}", "--devices=4"] + [f"--gin_param={p}" for p in PARAMS]
+  env = lambda i: {**clean_env(), "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+                   "JAX_PROCESS_ID": str(i)}
+  procs = [subprocess.Popen(cmd, cwd=ROOT, env=env(i), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           for i in range(2)]
+  outs = outputs_of(procs, timeout=400)
+  assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["mesh"] == {"node": 2, "gpu": 4} and [s for s, _, _ in records(tmp_path)] == [1, 2, 3, 4]
+
+
 def test_a_job_of_several_processes_that_comes_up_as_one_stops_in_one_line(tmp_path):
   env = {k: v for k, v in slurm_env(0, free_port()).items() if k != "SLURM_STEP_NODELIST"}  # python, not srun
   r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--gin_file=configs/zero3.gin",

@@ -48,8 +48,10 @@ def make_mesh(num_nodes: int | None = None, gpus_per_node: int | None = None, *,
   procs = sorted({d.process_index for d in devices})
   nprocs = len(procs)
   if nprocs > 1:
-    nodes_of = tuple(nodes_of) if nodes_of is not None else process_nodes()
-    node = {p: nodes_of[p] for p in procs}
+    if nodes_of is None and jax.process_count() > 1:
+      nodes_of = process_nodes()
+    # devices of other processes than this run's (a compile-only GPU topology): each process is a node
+    node = {p: nodes_of[p] if nodes_of is not None else p for p in procs}
     nnodes = len(set(node.values()))
     if num_nodes is None:
       num_nodes = nnodes
