@@ -82,3 +82,23 @@ def test_two_processes_of_four_devices_train_as_one_of_eight(token_files, tmp_pa
   one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
   assert sorted(one) == sorted(two) == list(range(1, 7))
   np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(one)], rtol=2e-5)
+
+
+@pytest.mark.e2e
+def test_a_resume_on_other_data_is_refused_unless_allowed(tmp_path):
+  from zerojax.train.token_file import Sidecar, write_sidecar
+  paths = []
+  for name, seed in (("a", 0), ("b", 1)):
+    ids = np.random.default_rng(seed).integers(0, 300, 40_000).astype(np.uint16)
+    ids.tofile(tmp_path / f"{name}.bin")
+    write_sidecar(str(tmp_path / f"{name}.bin"), Sidecar(dtype="uint16", tokens=ids.size, vocab_size=300))
+    paths.append(str(tmp_path / f"{name}.bin"))
+  work = tmp_path / "run"
+  r = train(work, "train.steps=2", extra=[f"--data={paths[0]}"])
+  assert r.returncode == 0, r.stderr[-3000:]
+  r = train(work, "train.steps=4", extra=[f"--data={paths[1]}", "--allow_changed=train.steps"])
+  line = error_line(r)
+  assert r.returncode == 2 and "data.fingerprint" in line and "data.source" in line, line
+  r = train(work, "train.steps=4", extra=[f"--data={paths[1]}", "--allow_changed=train.steps",
+                                          "--allow_changed=data.source,data.fingerprint"])
+  assert r.returncode == 0 and "continuing with changed settings" in r.stdout, r.stderr[-3000:]

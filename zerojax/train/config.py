@@ -141,7 +141,12 @@ def optimizer_settings() -> dict:
   return {f"make_optimizer.{k}": v for k, v in values.items()}
 
 
-def run_settings(model: dict, *, steps: int, batch_size: int, accum_steps: int, user_model: str | None = None) -> dict:
+# The data's identity (`zerojax.train.data.identity`): a resume on other data is refused unless allowed.
+DATA = ("data.source", "data.tokens", "data.fingerprint")
+
+
+def run_settings(model: dict, *, steps: int, batch_size: int, accum_steps: int, user_model: str | None = None,
+                 data: dict | None = None) -> dict:
   """The settings recorded in each checkpoint: gin names to JSON values (`model`: the model's, e.g.
   `ModelSpec.settings()`; `train.model` only when set, so checkpoints of the built-in GPT compare as before)."""
   out = dict(model)
@@ -149,12 +154,13 @@ def run_settings(model: dict, *, steps: int, batch_size: int, accum_steps: int, 
     out["train.model"] = user_model
   out.update({"train.steps": steps, "train.batch_size": batch_size, "train.accum_steps": accum_steps})
   out.update(optimizer_settings())
+  out.update(data or {})
   return json.loads(json.dumps(out))  # as a checkpoint reads them back: tuples are lists
 
 
 def changeable() -> set[str]:
   """Settings `--allow_changed` may name."""
-  return {"train.steps", "train.batch_size", "train.accum_steps"} | {
+  return {"train.steps", "train.batch_size", "train.accum_steps", *DATA} | {
       k for k in optimizer_settings() if not k.startswith(FIXED)}
 
 
@@ -228,7 +234,8 @@ def check_resume(saved: dict | None, now: dict, step: int, where: str, allowed=f
   """
   if saved is None:
     return f"checkpoint {where} records no settings; they are not compared"
-  diffs = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
+  diffs = {k: (saved.get(k), now.get(k)) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
+           and not (k.startswith("data.") and k not in saved)}  # checkpoints from before the data was recorded
   fixed = {k: d for k, d in diffs.items() if k.startswith(FIXED)}
   if fixed:
     raise CheckpointError(f"checkpoint {where} is of another model or optimizer ({_fmt(fixed)}, saved -> "

@@ -290,6 +290,18 @@ def open_data(path: str | None = None, *, eval_path: str | None = None, seq_len:
   return Dataset(train, held, vocab, what, kind, sides[0] if sides else None)
 
 
+def identity(data: Dataset) -> dict:
+  """What a checkpoint records of its data (`zerojax.train.config.DATA`): where it came from, its size, and a
+  fingerprint of its first and last 64 Ki ids with the parts' sizes (cheap, and changed by any edit of the
+  ends or any change of size)."""
+  import hashlib
+  n, k = len(data.train), min(len(data.train), 1 << 16)
+  h = hashlib.sha1(np.asarray([p.size for p in data.train.parts] + [len(data.eval)], np.int64).tobytes())
+  h.update(data.train.read(0, k).tobytes())
+  h.update(data.train.read(n - k, k).tobytes())
+  return {"data.source": data.source, "data.tokens": n + len(data.eval), "data.fingerprint": h.hexdigest()[:16]}
+
+
 def check_vocab(data: Dataset, model_vocab: int) -> None:
   """Refuses a model whose vocabulary cannot hold the data's ids (a larger, padded one is fine)."""
   if data.vocab_size is not None and model_vocab < data.vocab_size:

@@ -239,7 +239,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
   if ex.remat_choice.get("rows"):  # chosen by compiling (GPUs): say what and why
     _say(ex.remat_choice["why"])
   settings = config_lib.run_settings(spec.settings(), steps=steps, batch_size=batch_size, accum_steps=accum_steps,
-                                     user_model=model)
+                                     user_model=model, data=data_lib.identity(dataset))
   check = lambda meta, where: config_lib.check_resume(meta.get("settings"), settings, meta["step"], where, allowed)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=keep_checkpoints)
   log = loader = None
