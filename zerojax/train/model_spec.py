@@ -155,7 +155,7 @@ def model_spec(architecture: str = "gpt", init_from: str | None = None) -> Model
     if architecture == "gpt":
       return ModelSpec("gpt", model_config(), asked_vocab=bound("model_config").get("vocab_size"))
     return ModelSpec("llama", llama_config(), asked_vocab=bound("llama_config").get("vocab_size"))
-  if architecture != "llama" and "train.architecture" in gin_bound_train():
+  if architecture != "llama" and "architecture" in bound("train"):
     raise ValueError(f"train.init_from={init_from!r} is a Llama-family checkpoint but train.architecture="
                      f"{architecture!r}; drop train.architecture (the folder's config.json says it)")
   config = read_config(init_from)
@@ -169,10 +169,6 @@ def model_spec(architecture: str = "gpt", init_from: str | None = None) -> Model
       raise ValueError(f"llama_config.{key}={value!r} contradicts {os.path.join(init_from, 'config.json')} "
                        f"({key} {own!r}); drop the setting: the checkpoint's config.json gives the model's shape")
   return ModelSpec("llama", cfg, config["model_type"], os.path.abspath(init_from))
-
-
-def gin_bound_train() -> set[str]:
-  return {f"train.{k}" for k in bound("train")}
 
 
 def read_config(folder: str) -> dict:

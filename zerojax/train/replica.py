@@ -38,6 +38,7 @@ replica per node; `unsupported` says why.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -110,11 +111,9 @@ def run_id(workdir: str) -> str:
   value = None
   if jax.process_index() == 0:
     path = os.path.join(workdir, RUN_ID)
-    try:
+    with contextlib.suppress(FileNotFoundError):
       with open(path) as f:
         value = f.read().strip()
-    except FileNotFoundError:
-      pass
     if not value:
       value = uuid.uuid4().hex[:16]
       os.makedirs(workdir, exist_ok=True)

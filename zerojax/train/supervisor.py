@@ -42,6 +42,7 @@ References:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -182,10 +183,8 @@ class Supervisor:
     self.members, self.procs, self.frozen = order, {}, {}
     self.watchdog.reset(self.started_at)
     for pid, node in enumerate(order):
-      try:
+      with contextlib.suppress(FileNotFoundError):
         os.remove(self.progress_file(node))  # an earlier start's heartbeat is not this one's
-      except FileNotFoundError:
-        pass
       args = [f"--num_processes={len(order)}", f"--process_id={pid}", f"--replica_dir={self.replica_dir(node)}",
               f"--progress_file={self.progress_file(node)}"]
       args += [f"--initialization_timeout={self.init_timeout_s}"] if self.generation else []
@@ -345,10 +344,8 @@ class Supervisor:
                f"its heartbeat stopped {now - dog.last_beat(n):.0f} s ago (stopped, frozen or cut off): ending it "
                "as a lost node")
       self.kill(n, self.frozen.get(n, dog.last_beat(n)))
-      try:
+      with contextlib.suppress(subprocess.TimeoutExpired):
         self.procs[n].wait(timeout=10)  # seen dead at the next poll, not ended twice
-      except subprocess.TimeoutExpired:
-        pass
     if stopped or min(i - l for i, l, _ in late.values()) <= watchdog_lib.STALE_S:
       return  # a stopped heartbeat may still show: wait that long before taking the whole run for hung
     last = self.last_step()
