@@ -2,7 +2,7 @@
 
   python benchmarks/bench_llama_parity.py [--out benchmarks/llama_parity.json]
 
-For each tiny random config of `tests/test_llama.py` (Llama with grouped-query attention, Llama 3 RoPE scaling,
+For each tiny random config of `tests/llama_reference.py` (what `tests/test_llama.py` checks) (Llama with grouped-query attention, Llama 3 RoPE scaling,
 Mistral, Qwen2, tied multi-query): the checkpoint `save_pretrained` writes, read by `read_hf_dir`; the largest
 difference of the logits over the largest logit, and of every weight's gradient of the mean next-token loss
 over that gradient's largest entry (the worst tensor). Prints JSON; a failed config is recorded.
@@ -22,7 +22,7 @@ def measure(name: str, folder: str) -> dict:
   import jax
   import jax.numpy as jnp
   import torch
-  from tests import test_llama as T
+  from tests import llama_reference as T
   from zerojax.models import llama as L
   from zerojax.models import llama_hf as H
   model = T.torch_model(name)
@@ -44,7 +44,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", default=None)
   args = ap.parse_args()
-  from tests import test_llama as T
+  from tests import llama_reference as T
   rows = {}
   for name in T.CONFIGS:
     with tempfile.TemporaryDirectory() as folder:

@@ -9,7 +9,6 @@ optimizer with its schedule. A resume compares them with the settings it runs wi
 """
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import json
