@@ -285,7 +285,7 @@ def open_data(path: str | None = None, *, eval_path: str | None = None, seq_len:
     if n < least:
       raise DataError(f"the {split} split of {where} has {n} tokens, fewer than one window of seq_len + 1 = "
                       f"{least}; pass more data (or a shorter model_config.seq_len)")
-  what = f"{kind} from {where}, {len(corpus) / 1e6:.1f}M tokens" if kind == "tokens" else \
+  what = f"{kind} from {where}, {len(corpus):,} tokens" if kind == "tokens" else \
       f"bytes from {where}, {len(corpus) / 1e6:.1f} MB"
   return Dataset(train, held, vocab, what, kind, sides[0] if sides else None)
 
