@@ -85,15 +85,15 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
   `devices` (default `jax.devices()`) are those of the mesh, e.g. compile-only GPUs (`zerojax.gpu_aot`);
   `spec` (default: from `architecture`, `init_from` and gin, `model_spec.model_spec`) is the model. With `plan = auto()` the AMSP planner picks the plan (`planner_rows` on the executor holds its table).
   """
+  spec = spec or spec_lib.model_spec(architecture, init_from)
   if isinstance(plan, planner.Auto):
     return _auto(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
                  param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model,
-                 architecture=architecture, init_from=init_from, spec=spec)
+                 spec=spec)
   mesh = make_mesh(num_nodes or default_num_nodes(), devices=devices)
   if compute_dtype is None and plan.settings()["compute_dtype"] is None:
     compute_dtype = platform_compute_dtype(mesh)
   plan = with_run_settings(plan, param_dtype, compute_dtype, pad_multiple)
-  spec = spec or spec_lib.model_spec(architecture, init_from)
   cfg = spec.config
   net = spec.build() if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
   optimizer = make_optimizer(total_steps=steps)
@@ -110,8 +110,7 @@ def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor
   the chosen plan."""
   lead = jax.process_index() == 0
   ex = build(zero3(), num_nodes, **kw)
-  batch = np.zeros((ex.accum_steps, batch_size, (kw.get("spec") or spec_lib.model_spec(
-      kw.get("architecture", "gpt"), kw.get("init_from"))).seq_len + 1), np.int32)
+  batch = np.zeros((ex.accum_steps, batch_size, kw["spec"].seq_len + 1), np.int32)
   plan, rows = choice.plan_for(ex.mesh, planner.workload(ex), lambda p: build(p, num_nodes, **kw), batch,
                                log=(lambda m: print(m, flush=True)) if lead else (lambda m: None))
   chosen = build(plan, num_nodes, **kw)
