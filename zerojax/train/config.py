@@ -16,6 +16,7 @@ import os
 import re
 
 import gin
+from gin import config_parser
 
 from zerojax.train.optim import make_optimizer
 from zerojax.train.state_spec import CheckpointError
@@ -195,8 +196,51 @@ def check_run_settings(**settings) -> None:
   if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s > 0:
     bad.append(f"train.replica_every_s={every_s!r} must be a number of seconds above 0 (or set train.replica_every "
                "to a number of steps)")
+  project = settings.get("wandb_project")
+  if project is not None and not (isinstance(project, str) and project):
+    bad.append(f"train.wandb_project={project!r} must be a W&B project name or None")
   if bad:
     raise ConfigError("; ".join(bad) + "; fix the config or --gin_param")
+  if project is not None:
+    wandb_module(project)  # before anything runs: a missing package is said at once
+
+
+def wandb_module(project: str):
+  """The `wandb` package, imported for `train.wandb_project`.
+
+  Raises:
+    ConfigError: wandb is not installed (one line naming the fix).
+  """
+  try:
+    import wandb
+  except ImportError as e:
+    raise ConfigError(f"train.wandb_project={project!r} needs the wandb package: pip install 'zerojax[wandb]' "
+                      "(or set train.wandb_project=None)") from e
+  return wandb
+
+
+class _Names(config_parser.ParserDelegate):
+  """Reads gin's references and macros as their text (`@zero3()`, `%STEPS`)."""
+
+  def configurable_reference(self, scoped_configurable_name, evaluate):
+    return f"@{scoped_configurable_name}" + ("()" if evaluate else "")
+
+  def macro(self, macro_name):
+    return f"%{macro_name}"
+
+
+def gin_settings() -> dict:
+  """gin's operative config (every parameter the run read, defaults included) as `{"train.steps": 200,
+  "train.plan": "@zero3()", ...}`: the W&B run's config (a config gin cannot read back, one with values bound
+  from Python, is kept as its text: `{"gin": ...}`)."""
+  text, out = gin.operative_config_str(), {}
+  try:
+    for s in config_parser.ConfigParser(text, _Names()):
+      if isinstance(s, config_parser.BindingStatement):
+        out[f"{s.scope + '/' if s.scope else ''}{s.selector}.{s.arg_name}"] = s.value
+  except (SyntaxError, ValueError):
+    return {"gin": text}
+  return out
 
 
 def check_allowed(names) -> set[str]:

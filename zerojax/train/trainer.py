@@ -132,7 +132,8 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
           param_dtype: str | None = None, compute_dtype: str | None = None, export: bool = False,
           progress: bool = True, model: str | None = None, replica_every: int | None = None,
           replica_every_s: float = 120.0, architecture: str = "gpt", init_from: str | None = None,
-          profile_steps: tuple[int, int] | None = None) -> dict:
+          profile_steps: tuple[int, int] | None = None, wandb_project: str | None = None,
+          wandb_entity: str | None = None) -> dict:
   """Trains the GPT model (or your own, `model`) on byte-level text under `plan`; writes metrics to `workdir`.
 
   SIGINT (Ctrl-C) and SIGTERM finish the current step, save a checkpoint and stop (a second signal
@@ -193,6 +194,10 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
     architecture: "gpt" (`model_config`) or "llama" (`llama_config`; docs/models.md).
     profile_steps: (START, STOP): a `jax.profiler` trace of steps START..STOP in `workdir/profile`
       (TensorBoard's profile plugin, Perfetto); None: no trace.
+    wandb_project: also log every record to this W&B project (`pip install 'zerojax[wandb]'`; the run is
+      named after the workdir, its id kept there, so a resume continues it; `WANDB_MODE=offline` keeps it
+      on disk, in `workdir/wandb`); None: no W&B.
+    wandb_entity: the W&B user or team of the run (None: W&B's default).
     init_from: a Hugging Face checkpoint folder (config.json and *.safetensors of a Llama, Mistral or Qwen2)
       whose weights a new run starts from; its config.json gives the model (a resume starts from the
       checkpoint instead).
@@ -222,7 +227,7 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
            keep_checkpoints, batch_size, accum_steps, num_nodes, seed, eval_every, eval_batches, log_every,
            max_consecutive_skips, data_dtype, tokenizer, eval_data, pad_multiple, param_dtype, compute_dtype,
            export, progress, model, node_copy, replica_every, replica_every_s, architecture, init_from, profile_steps,
-           start_over, heartbeat) -> dict:
+           start_over, heartbeat, wandb_project, wandb_entity) -> dict:
   allowed = config_lib.check_allowed(allow_changed)
   tok = tokenizer_lib.load(tokenizer) if tokenizer is not None else None
   spec = spec_lib.model_spec(architecture, init_from)
@@ -284,7 +289,8 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       os.makedirs(workdir, exist_ok=True)
       config_lib.write(os.path.join(workdir, "config.gin"), CONFIG_HEADER.format(workdir=workdir))
       spec_lib.write(workdir, spec, tokenizer)
-      log = report.RunLog(workdir, start_step)
+      about = wandb_project and {**config_lib.gin_settings(), **settings, "plan": label(plan), "mesh": dict(mesh.shape)}
+      log = report.RunLog(workdir, start_step, wandb_project, wandb_entity, config=about)
       if first_loss is None and resumed is not None:
         first_loss = log.first_loss()
     _say(f"plan={label(plan)} mesh={dict(mesh.shape)} data={dataset.source}")
