@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import stat
 import sys
+import textwrap
 import time
 import types
 
@@ -384,3 +386,27 @@ def test_the_command_line_says_in_one_line_what_a_launcher_lacks(standins, monke
   assert cli.main([*argv, f"--workdir={standins.work}"]) == 2
   err = capsys.readouterr().err
   assert err.startswith(f"supervise: {expect}") and err.count("\n") == 1, err
+
+
+def test_the_ready_files_run_the_supervisor_as_their_comments_say(standins):
+  """examples/slurm/supervised.sbatch and examples/k8s/supervisor.yaml: their supervise command lines parse,
+  the allocation holds a spare host and survives a failed one, and the pod template builds a node's pod."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sbatch = open(os.path.join(root, "examples/slurm/supervised.sbatch")).read()
+  line = re.search(r"^\S*python -m zerojax\.cli\.supervise (.*?[^\\])$", sbatch, re.S | re.M)[1]
+  args = cli.parser().parse_args(shlex.split(line.replace("\\\n", " ").replace("$WORKDIR", "runs/x")))
+  assert (args.launcher, args.nodes, args.restart_after) == ("slurm", 3, 60)
+  assert "#SBATCH --nodes=4\n" in sbatch and "#SBATCH --no-kill\n" in sbatch  # one spare host
+  yaml = open(os.path.join(root, "examples/k8s/supervisor.yaml")).read()
+  job = re.search(r"^        args:\n((?:        - .*\n)+)", yaml, re.M)[1]
+  args = cli.parser().parse_args([a[len("        - "):] for a in job.splitlines()])
+  assert (args.launcher, args.nodes, args.k8s_name) == ("k8s", 2, "zerojax")
+  assert args.k8s_pod_template == "/etc/zerojax/pod.json" and "mountPath: /etc/zerojax}" in yaml
+  assert f"name: {args.k8s_name}  " in yaml and f"zerojax/run: {args.k8s_name}\n" in yaml  # the headless Service
+  template = json.loads(textwrap.dedent(re.search(r"  pod\.json: \|\n((?:    .*\n)+)", yaml)[1]))
+  launch = launchers.Kubernetes(args.workdir, str(standins.logs), template=template, name=args.k8s_name)
+  pod = launch.manifest(supervisor.Start(1, 1, 2, 0, 0, ("--process_id=1",), (0, 1)))
+  c = pod["spec"]["containers"][0]
+  assert c["command"] == ["python", "train.py"] and c["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+  assert c["args"] == [f"--workdir={args.workdir}", "--process_id=1"] and pod["spec"]["volumes"]
+  assert {e["name"]: e["value"] for e in c["env"]}["JAX_COORDINATOR_ADDRESS"] == "zerojax-g0-n0.zerojax:12400"
