@@ -376,6 +376,8 @@ def test_the_command_line_runs_local_processes_by_default(standins, capsys):
     (["--launcher=k8s"], None, "--launcher k8s: the trainer's image is not set; give --k8s_image or a "
      "--k8s_pod_template whose first container names its image"),
     (["--launcher=k8s", "--k8s_pod_template=nowhere.json"], None, "--k8s_pod_template nowhere.json: cannot read it"),
+    (["--launcher=k8s", "--k8s_image=img", "--k8s_name=Run_1"], None, "--k8s_name 'Run_1': a pod's hostname is "
+     "NAME-g<start>-n<node>, so NAME must be a DNS label"),
     (["--launcher=slurm", "--hosts=a,b", "--hang=1@3"], None, "--hang SIGSTOPs a local process: it works with "
      "--launcher local only (got --launcher slurm)"),
 ])

@@ -61,7 +61,8 @@ def parser() -> argparse.ArgumentParser:
                   "(default WORKDIR/replicas)")
   ap.add_argument("--port", type=int, default=12400, help="coordinator port (one more for each restart)")
   ap.add_argument("--kill", action="append", default=[], metavar="NODE@STEP",
-                  help="SIGKILL node NODE's process once step STEP is logged (repeatable)")
+                  help="SIGKILL node NODE's process once step STEP is logged (repeatable; slurm: its srun ends the "
+                       "step, k8s: its pod is deleted at once)")
   ap.add_argument("--hang", action="append", default=[], metavar="NODE@STEP",
                   help="SIGSTOP node NODE's process once step STEP is logged (repeatable; the watchdog's test)")
   ap.add_argument("--restart_after", type=float, default=None, metavar="SECONDS",

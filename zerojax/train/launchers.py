@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -288,6 +289,9 @@ class Kubernetes:
                name: str = "zerojax", namespace: str | None = None, port: int = 12400, devices: int | None = None,
                command: Sequence[str] | None = None, args: Sequence[str] = (), grace_s: float = 120,
                poll_s: float = 1.0):
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,48}[a-z0-9])?", name):
+      raise ValueError(f"--k8s_name {name!r}: a pod's hostname is NAME-g<start>-n<node>, so NAME must be a DNS "
+                       "label of at most 50 characters (lowercase letters, digits and '-', e.g. zerojax)")
     if not shutil.which("kubectl"):
       raise ValueError("--launcher k8s: kubectl is not on PATH; install it where the supervisor runs (its image, "
                        "examples/k8s/supervisor.yaml) or put it on PATH")
