@@ -1,12 +1,16 @@
-"""Run train.py as N nodes on this machine under the supervisor (`zerojax.train.supervisor`): a node whose
-process dies is dropped and the survivors train on from their own copies; it rejoins when it is back.
+"""Run train.py as N nodes under the supervisor (`zerojax.train.supervisor`): a node whose process dies is
+dropped and the survivors train on from their own copies; it rejoins when it is back.
 
   python -m zerojax.cli.supervise --nodes 3 --devices 2 --workdir=DIR [--kill 2@20 --restart_after 20] \\
       -- --gin_file=configs/mics.gin --gin_param=train.steps=60
 
-Each node is one train.py process with `--devices` CPU devices and its own folder DIR/replicas/node<i>
-(`--replica_root`); the arguments after `--` go to every train.py. `--kill NODE@STEP` SIGKILLs that
-node's process once step STEP is logged, `--hang NODE@STEP` SIGSTOPs it (the watchdog ends it);
+Each node is one train.py process with its own folder DIR/replicas/node<i> (`--replica_root`); the
+arguments after `--` go to every train.py. `--launcher` starts them (`zerojax.train.launchers`): `local`
+(default) on this machine with `--devices` CPU devices each (the emulated cluster); `slurm` as one `srun`
+step per node on the hosts of the allocation the supervisor runs in (`--hosts`, `--srun_args`;
+examples/slurm/supervised.sbatch); `k8s` as one pod per node (`--k8s_image` or `--k8s_pod_template`,
+`--k8s_name`, `--k8s_namespace`; examples/k8s/supervisor.yaml). `--kill NODE@STEP` kills that node's
+process once step STEP is logged, `--hang NODE@STEP` SIGSTOPs it (the watchdog ends it; local only);
 `--restart_after SECONDS` starts a lost node again that long after its loss, as a cluster manager would.
 
 A watchdog takes a node that completed no step for max(--watchdog_k x the median step time,
@@ -18,32 +22,47 @@ doubled each time in a row, and the run stops below --min_nodes nodes.
 Exits with the run's status (0: finished; 1: stopped, with one line saying why and where it resumes; 2:
 every node's train.py stopped with a usage error, whose line it prints). Ctrl-C, SIGTERM or SIGHUP: the
 nodes finish their step and save a checkpoint (SIGKILL after --stop_grace seconds, or at once on a
-second signal); exits 130 / 143 / 129. On a cluster, run the same supervisor with a `launch` that starts
-the node's process on its host (`benchmarks/cluster.py` starts them in network namespaces).
+second signal); exits 130 / 143 / 129.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
-import subprocess
+import shlex
 import sys
 
-from zerojax.train import supervisor as supervisor_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zerojax.train import launchers, supervisor as supervisor_lib
 
 
 def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--nodes", type=int, default=2, help="nodes (one train.py process each)")
-  ap.add_argument("--devices", type=int, default=2, help="CPU devices per node")
+  ap.add_argument("--launcher", choices=("local", "slurm", "k8s"), default="local",
+                  help="what starts each node's process: local processes (the emulated cluster), an srun step per "
+                       "node inside a Slurm allocation, a Kubernetes pod per node")
+  ap.add_argument("--devices", type=int, default=None,
+                  help="CPU devices per node (local: default 2; slurm, k8s: default the accelerator's)")
+  ap.add_argument("--command", default=None, help="the command that starts a node's trainer, split as a shell "
+                  "line (default: this Python and this checkout's train.py; k8s: the template's command, else "
+                  "'python train.py')")
+  ap.add_argument("--hosts", default=None, help="slurm: the hosts, comma-separated, node i on the i-th and the "
+                  "rest spares (default: the allocation's, SLURM_JOB_NODELIST)")
+  ap.add_argument("--srun_args", default="", help="slurm: options added to every srun step's, e.g. "
+                  "'--gpus-per-node=8'")
+  ap.add_argument("--k8s_image", default=None, help="k8s: the trainer's image")
+  ap.add_argument("--k8s_pod_template", default=None, metavar="JSON",
+                  help="k8s: a Pod manifest (JSON) whose first container runs the trainer (resources, volumes)")
+  ap.add_argument("--k8s_name", default="zerojax", help="k8s: the pods' prefix and label, and the headless "
+                  "Service that resolves them")
+  ap.add_argument("--k8s_namespace", default=None, help="k8s: the namespace (default kubectl's)")
   ap.add_argument("--workdir", required=True, help="train.py's --workdir (shared by the nodes)")
   ap.add_argument("--replica_root", default=None, help="the nodes' own folders are REPLICA_ROOT/node<i> "
                   "(default WORKDIR/replicas)")
   ap.add_argument("--port", type=int, default=12400, help="coordinator port (one more for each restart)")
   ap.add_argument("--kill", action="append", default=[], metavar="NODE@STEP",
-                  help="SIGKILL node NODE's process once step STEP is logged (repeatable)")
+                  help="SIGKILL node NODE's process once step STEP is logged (repeatable; slurm: its srun ends the "
+                       "step, k8s: its pod is deleted at once)")
   ap.add_argument("--hang", action="append", default=[], metavar="NODE@STEP",
                   help="SIGSTOP node NODE's process once step STEP is logged (repeatable; the watchdog's test)")
   ap.add_argument("--restart_after", type=float, default=None, metavar="SECONDS",
@@ -76,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   args = parser().parse_args(argv)
   rest = [a for a in args.train_args if a != "--"] if args.train_args[:1] == ["--"] else args.train_args
-  if args.nodes < 1 or args.devices < 1:
+  if args.nodes < 1 or (args.devices is not None and args.devices < 1):
     print(f"supervise: need --nodes >= 1 and --devices >= 1 (got {args.nodes}, {args.devices})", file=sys.stderr)
     return 2
   try:
@@ -97,30 +116,20 @@ def main(argv=None) -> int:
     bad.append(f"--min_nodes={args.min_nodes} must be 1..{args.nodes} (--nodes)")
   if args.initialization_timeout < 1:
     bad.append(f"--initialization_timeout={args.initialization_timeout} must be 1 or more")
+  if hang_at and args.launcher != "local":
+    bad.append(f"--hang SIGSTOPs a local process: it works with --launcher local only (got --launcher {args.launcher})")
   if bad:
     print(f"supervise: {'; '.join(bad)}", file=sys.stderr)
     return 2
   workdir = os.path.abspath(args.workdir)
   root = os.path.abspath(args.replica_root or os.path.join(workdir, "replicas"))
   logs = os.path.abspath(args.logs or os.path.join(workdir, "logs"))
+  try:
+    launch = launcher(args, workdir, logs, rest)
+  except ValueError as e:
+    print(f"supervise: {e}", file=sys.stderr)
+    return 2
   os.makedirs(logs, exist_ok=True)
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-  env.update(JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"), PYTHONUNBUFFERED="1")
-  # a restart compiles the programs of the earlier generations again: cache them (JAX's persistent cache)
-  env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(workdir, "jax-cache"))
-  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-
-  def launch(s: supervisor_lib.Start) -> subprocess.Popen:
-    cmd = [sys.executable, os.path.join(REPO, "train.py"), f"--workdir={workdir}", f"--devices={args.devices}",
-           f"--coordinator=localhost:{args.port + s.generation}", *s.args, *rest]
-    out = open(os.path.join(logs, f"node{s.node}.log"), "a")
-    out.write(f"--- generation {s.generation}: process {s.process_id} of {s.num_processes}\n")
-    out.flush()
-    try:
-      return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-      out.close()
-
   sup = supervisor_lib.Supervisor(args.nodes, launch, workdir, lambda n: os.path.join(root, f"node{n}"),
                                   restart_after=args.restart_after, kill_at=kill_at,
                                   log=lambda m: print(m, flush=True), stop_grace_s=args.stop_grace,
@@ -133,6 +142,19 @@ def main(argv=None) -> int:
     return sup.run()  # passes SIGINT, SIGTERM and SIGHUP on to the nodes
   except KeyboardInterrupt:  # before the supervisor took the signal over
     return 130
+
+
+def launcher(args, workdir: str, logs: str, rest: list[str]):
+  """The `--launcher` chosen, given its flags (`zerojax.train.launchers`); ValueError: one line."""
+  command = shlex.split(args.command) if args.command else None
+  if args.launcher == "local":
+    return launchers.Local(workdir, logs, args.devices or 2, args.port, command or launchers.TRAIN, rest)
+  if args.launcher == "slurm":
+    hosts = [h for h in (args.hosts or "").split(",") if h]
+    return launchers.Slurm(workdir, logs, hosts, args.nodes, args.port, args.devices, command or launchers.TRAIN, rest,
+                           shlex.split(args.srun_args))
+  return launchers.Kubernetes(workdir, logs, args.k8s_pod_template, args.k8s_image, args.k8s_name, args.k8s_namespace,
+                              args.port, args.devices, command, rest, args.stop_grace)
 
 
 def error_line(log: str) -> str | None:

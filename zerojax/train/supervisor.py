@@ -9,11 +9,12 @@ running job on CPUs (gloo), so the survivors are restarted: the route that works
 project supports. Plans without a replica per node (ZeRO-3, ZeRO++, MiCS groups spanning nodes) stop
 with one line naming the step they resume from (their last checkpoint), as without the supervisor.
 
-The supervisor launches one process per node through `launch(Start)`: a local process
-(`zerojax.cli.supervise`), one in a network namespace (`benchmarks/cluster.py`), or whatever a cluster
-manager runs on the node's host. Each membership change is passed to the next start (`train.py
---event`), whose first logged step records it in metrics.jsonl (time to detect, time to resume, steps
-lost; `zerojax.train.report.membership`).
+The supervisor launches one process per node through `launch(Start)` (`zerojax.train.launchers`): a
+local process, an `srun` step on the node's host inside a Slurm allocation, a Kubernetes pod, or one in a
+network namespace (`benchmarks/cluster.py`). What `launch` returns answers `poll`, `wait`,
+`send_signal` and `returncode` as a `subprocess.Popen` does. Each membership change is passed to the next
+start (`train.py --event`), whose first logged step records it in metrics.jsonl (time to detect, time to
+resume, steps lost; `zerojax.train.report.membership`).
 
 A watchdog (`zerojax.train.watchdog`) reads each trainer's heartbeat (`train.py --progress_file`, in
 WORKDIR/progress). When a node completed no step for max(`watchdog_k` x the median step time,
@@ -71,6 +72,7 @@ class Start:
     args: the train.py flags the supervisor adds (--num_processes, --process_id, --replica_dir,
       --progress_file, --join, --event, --initialization_timeout); the launcher adds --coordinator and the
       run's own flags.
+    members: the nodes of this generation, in process order (a launcher places them all at its first start).
   """
   node: int
   process_id: int
@@ -78,6 +80,7 @@ class Start:
   coordinator: int
   generation: int
   args: tuple[str, ...]
+  members: tuple[int, ...] = ()
 
 
 def parse_kill(text: str, flag: str = "--kill") -> tuple[int, int]:
@@ -190,7 +193,8 @@ class Supervisor:
       args += [f"--initialization_timeout={self.init_timeout_s}"] if self.generation else []
       args += ["--join"] if node in joining else []
       args += [f"--event={json.dumps(event)}"] if event else []
-      self.procs[node] = self.launch(Start(node, pid, len(order), order[0], self.generation, tuple(args)))
+      self.procs[node] = self.launch(Start(node, pid, len(order), order[0], self.generation, tuple(args),
+                                           tuple(order)))
     if event:
       self.events.append(event)
 
@@ -448,7 +452,11 @@ class Supervisor:
 
 
 def _signal(p: subprocess.Popen, sig) -> None:
-  """`sig` to the process's group when it leads one (a launcher that starts a shell), else to it."""
+  """`sig` to the process's group when it leads one (a launcher that starts a shell), else to it; a handle
+  that is no local process (an srun step, a pod: `zerojax.train.launchers`) passes it on its own way."""
+  if not isinstance(p, subprocess.Popen):
+    p.send_signal(sig)
+    return
   try:
     if os.getpgid(p.pid) == p.pid:
       os.killpg(p.pid, sig)
