@@ -344,9 +344,11 @@ def test_supervisor_stops_a_run_without_node_copies_in_one_line(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.multiprocess
-def test_a_node_dies_the_others_train_on_and_it_rejoins(tmp_path):
-  """3 nodes x 2 CPU devices, MiCS: node 2 is SIGKILLed when step 3 is logged, the two others train on
-  from their own copies, node 2 comes back and takes its copy from node 0; every step is logged once and
+@pytest.mark.parametrize("config", ["mics", "zero3"])
+def test_a_node_dies_the_others_train_on_and_it_rejoins(tmp_path, config):
+  """3 nodes x 2 CPU devices, MiCS (a replica per node) and ZeRO-3 (sharded across nodes): node 2 is
+  SIGKILLed when step 3 is logged, the two others train on from their own copies (ZeRO-3: node 1's copy
+  holds node 2's part), node 2 comes back and takes its state from them; every step is logged once and
   the run ends on 3 nodes, with the loss and the rejoin in metrics.jsonl and summary.json."""
   from tests.helpers import free_port
   from tests.train_helpers import ROOT, TINY, clean_env
@@ -355,7 +357,7 @@ def test_a_node_dies_the_others_train_on_and_it_rejoins(tmp_path):
       "train.batch_size=24", f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0",
       "train.replica_every=1"]
   cmd = [sys.executable, "-m", "zerojax.cli.supervise", "--nodes=3", "--devices=2", f"--workdir={tmp_path}",
-         f"--port={free_port()}", "--kill=2@3", "--restart_after=1", "--", "--gin_file=configs/mics.gin",
+         f"--port={free_port()}", "--kill=2@3", "--restart_after=1", "--", f"--gin_file=configs/{config}.gin",
          *[f"--gin_param={p}" for p in params]]
   r = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
   logs = "".join((tmp_path / "logs" / f"node{i}.log").read_text()[-2000:] for i in range(3))
