@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import threading
@@ -375,16 +376,20 @@ class Writer:
 
 class Cadence:
   """At which steps a node writes its copy: every `every` steps, or (`every` None) about every `every_s`
-  seconds.
+  seconds, lengthened so that taking the copies blocks the loop at most `BUDGET` of the time.
 
   Every process must copy at the same step (`take`), and their clocks differ: the seconds are turned into
   steps once per start, from the median time between the steps after the first (which compiles) that
-  process 0 measured over `WARMUP` steps, then kept for the start.
+  process 0 measured over `WARMUP` steps. After each copy, `copied` lengthens the interval when the copy
+  blocked the loop for more than `BUDGET` of it (a large state on a slow disk or link: a plan sharded
+  across nodes also moves the next node's part), again as process 0 measured it. A fixed `every` (the
+  user's) is kept as it is.
   """
   WARMUP = 5
+  BUDGET = 0.01
 
   def __init__(self, every: int | None, every_s: float):
-    self.every, self.every_s, self._times = every, every_s, []
+    self.every, self.every_s, self._times, self.step_s = every, every_s, [], None
 
   def due(self, step: int) -> bool:
     """Whether step `step` (just dispatched) is copied; called by every process after every step."""
@@ -392,9 +397,17 @@ class Cadence:
       self._times.append(time.monotonic())
       if len(self._times) < self.WARMUP:
         return False
-      step_s = max(float(np.median(np.diff(self._times[1:]))), 1e-6)
-      self.every = int(from_process0(max(1, round(self.every_s / step_s))))
+      self.step_s = max(float(np.median(np.diff(self._times[1:]))), 1e-6)
+      self.every = int(from_process0(max(1, round(self.every_s / self.step_s))))
     return step % self.every == 0
+
+  def copied(self, blocked_s: float) -> None:
+    """After a copy that held the loop `blocked_s` seconds (one step's compute included, which the loop
+    waits for anyway): every process calls it at the same step."""
+    if self.step_s is None:
+      return
+    extra = max(blocked_s - self.step_s, 0.0)
+    self.every = int(from_process0(max(self.every, math.ceil(extra / (self.BUDGET * self.step_s)))))
 
 
 def unusable(directory: str, step: int, run: str | None) -> str | None:

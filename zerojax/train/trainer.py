@@ -352,7 +352,9 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       if not (evaluating or saving or copying):
         continue
       if copying:  # taken before the step is logged; the files are written on the writer's thread
+        held = time.perf_counter()
         writer.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss, settings=settings)
+        cadence.copied(time.perf_counter() - held)
       eval_loss = evaluate(state) if evaluating else None
       finish(pending)  # logged with its eval loss
       pending = None
