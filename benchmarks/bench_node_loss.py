@@ -17,7 +17,13 @@ the default cadence (`train.replica_every_s`, both under the supervisor, `cluste
   python benchmarks/bench_node_loss.py [--configs configs/mics.gin configs/diloco_mics.gin] [--reps 3] \\
       [--nodes 3 --devices 2 --rate 1gbit --steps 60 --kill 2@20 --restart_after 20] [--copy_reps 3] [--out FILE]
 
-The global batch is 24 sequences (`train.batch_size=24`): it divides 3 x 2 and 2 x 2 devices (the
+Every plan (the issue's cases: MiCS hung, ZeRO-3 and ZeRO++ killed; ZeRO-3's copies hold a neighbour's part):
+
+  python benchmarks/bench_node_loss.py --configs configs/mics.gin:hang configs/zero3.gin configs/zeropp.gin \\
+      --reps 1 --copy_configs configs/zero3.gin --copy_reps 2 --out benchmarks/node_loss_every_plan.json
+
+A `CONFIG:hang` case SIGSTOPs the node (`cluster.py --hang`): the supervisor's watchdog
+(`--watchdog_floor`, default here 20 s) finds it. The global batch is 24 sequences (`train.batch_size=24`): it divides 3 x 2 and 2 x 2 devices (the
 configs' 32 does not divide 6). Needs root, like cluster.py.
 """
 from __future__ import annotations
@@ -44,16 +50,19 @@ def spread_present(values: list) -> dict | None:
   return {**spread(values), "n": len(values)} if values else None
 
 
-def one_run(args, gin_file: str, kill: str | None, port: int, copies: str | None = None) -> dict:
-  """One run on the emulated cluster: with `kill` (and a restart), uninterrupted, or with `copies` ("off",
-  "every_step", "default") for the copies' cost."""
+def one_run(args, gin_file: str, kill: str | None, port: int, copies: str | None = None, how: str = "kill") -> dict:
+  """One run on the emulated cluster: with a fault at `kill` ("NODE@STEP"; `how` "kill": SIGKILL, "hang":
+  SIGSTOP, found by the watchdog) and a restart, uninterrupted, or with `copies` ("off", "every_step",
+  "default") for the copies' cost."""
   steps = args.copy_steps if copies else args.steps
   argv = [f"--gin_file={gin_file}", f"--nodes={args.nodes}", f"--devices={args.devices}", f"--rate={args.rate}",
           f"--steps={steps}", f"--port={port}", f"--timeout={args.timeout}",
           *[f"--gin_param={p}" for p in ["train.batch_size=24", *args.gin_param]]]
   if kill:
-    argv += [f"--kill={kill}", f"--restart_after={args.restart_after}",
+    argv += [f"--{how}={kill}", f"--restart_after={args.restart_after}",
              f"--gin_param=train.replica_every={args.replica_every}"]
+    if how == "hang":
+      argv += [f"--watchdog_floor={args.watchdog_floor}"]
   argv += {None: [], "off": [], "default": ["--supervised"],
            "every_step": ["--supervised", "--gin_param=train.replica_every=1"]}[copies]
   workdir = tempfile.mkdtemp(prefix="zjx-node-loss-")
@@ -62,12 +71,12 @@ def one_run(args, gin_file: str, kill: str | None, port: int, copies: str | None
   try:
     out = cluster.run(run_args)
   except (cluster.ClusterError, ValueError) as e:
-    return {"gin_file": gin_file, "kill": kill, "copies": copies, "error": str(e)[-2000:],
+    return {"gin_file": gin_file, "kill": kill, "fault": how if kill else None, "copies": copies, "error": str(e)[-2000:],
             "wall_s": time.time() - started}
   finally:
     import shutil
     shutil.rmtree(workdir, ignore_errors=True)
-  rec = {"gin_file": gin_file, "kill": kill, "wall_s": out["wall_s"], "final_eval_loss": out.get("final_eval_loss"),
+  rec = {"gin_file": gin_file, "kill": kill, "fault": how if kill else None, "wall_s": out["wall_s"], "final_eval_loss": out.get("final_eval_loss"),
          "final_loss": out.get("final_loss"), "median_step_time_s": out["median_step_time_s"]}
   if copies:
     rec["copies"] = copies
@@ -76,7 +85,7 @@ def one_run(args, gin_file: str, kill: str | None, port: int, copies: str | None
     lost = next((e for e in events if e["kind"] == "node_lost"), None)
     back = next((e for e in events if e["kind"] == "node_rejoined"), None)
     rec.update(final_nodes=out.get("final_nodes"), every_step_logged=out.get("steps_logged") == list(
-        range(1, args.steps + 1)), lost=lost, rejoined=back)
+        range(1, args.steps + 1)), largest_gap_s=out.get("largest_gap_s"), lost=lost, rejoined=back)
     if lost and lost.get("failed") is not None and lost.get("resume_s") is not None:
       rec["kill_to_training_s"] = lost["detected"] + lost["resume_s"] - lost["failed"]
   return rec
@@ -89,6 +98,8 @@ def copy_cost(runs: list[dict], every_s: float) -> dict | None:
   ok = [r for r in runs if r.get("copies") and "error" not in r]
   if not ok:
     return None
+  if len({r["gin_file"] for r in ok}) > 1:  # one entry per config
+    return {g: copy_cost([r for r in ok if r["gin_file"] == g], every_s) for g in sorted({r["gin_file"] for r in ok})}
   out = {mode: spread_present([r["median_step_time_s"] for r in ok if r["copies"] == mode])
          for mode in ("off", "every_step", "default")}
   if out["off"] and out["every_step"]:
@@ -116,7 +127,9 @@ def summarize(runs: list[dict]) -> dict:
         "kill_to_training_s": spread_present([r.get("kill_to_training_s") for r in killed]),
         "rejoin_time_to_resume_s": spread_present(ev("rejoined", "resume_s")),
         "rejoin_steps_lost": spread_present(ev("rejoined", "steps_lost")),
+        "faults": sorted({r.get("fault") or "kill" for r in killed}),
         "every_step_logged": all(r.get("every_step_logged") for r in killed) if killed else None,
+        "largest_gap_between_steps_s": spread_present([r.get("largest_gap_s") for r in killed]),
         "final_nodes": sorted({r.get("final_nodes") for r in killed}),
         "final_eval_loss": spread_present([r["final_eval_loss"] for r in killed]),
         "uninterrupted_final_eval_loss": base_eval,
@@ -127,7 +140,8 @@ def summarize(runs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--configs", nargs="+", default=["configs/mics.gin", "configs/diloco_mics.gin"])
+  ap.add_argument("--configs", nargs="+", default=["configs/mics.gin", "configs/diloco_mics.gin"],
+                  help="each CONFIG, or CONFIG:hang for a SIGSTOP found by the watchdog instead of a SIGKILL")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--baseline_reps", type=int, default=1, help="uninterrupted runs per config")
   ap.add_argument("--nodes", type=int, default=3)
@@ -136,6 +150,9 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=60)
   ap.add_argument("--kill", default="2@20")
   ap.add_argument("--restart_after", type=float, default=20)
+  ap.add_argument("--watchdog_floor", type=float, default=20, help="the supervisor's, for the :hang configs")
+  ap.add_argument("--copy_configs", nargs="+", default=None, help="configs whose copies' cost is measured "
+                  "(default: the first)")
   ap.add_argument("--replica_every", type=int, default=1, help="train.replica_every of the runs with a kill")
   ap.add_argument("--copy_reps", type=int, default=3, help="runs per mode (off, every step, default) for the copies' "
                   "cost (0: none)")
@@ -151,19 +168,21 @@ def main(argv=None) -> int:
     return 2
   runs, port = [], args.port
   for rep in range(max(args.reps, args.baseline_reps)):
-    for gin_file in args.configs:
+    for case in args.configs:
+      gin_file, _, how = case.partition(":")
       for kill in ([args.kill] if rep < args.reps else []) + ([None] if rep < args.baseline_reps else []):
-        rec = one_run(args, gin_file, kill, port)
+        rec = one_run(args, gin_file, kill, port, how=how or "kill")
         port += 20
         rec["rep"] = rep
         runs.append(rec)
         print(json.dumps(rec), file=sys.stderr, flush=True)
   for rep in range(args.copy_reps):
-    for copies in ("off", "every_step", "default"):
-      rec = {**one_run(args, args.configs[0], None, port, copies), "rep": rep}
-      port += 20
-      runs.append(rec)
-      print(json.dumps(rec), file=sys.stderr, flush=True)
+    for gin_file in args.copy_configs or [args.configs[0].partition(":")[0]]:
+      for copies in ("off", "every_step", "default"):
+        rec = {**one_run(args, gin_file, None, port, copies), "rep": rep}
+        port += 20
+        runs.append(rec)
+        print(json.dumps(rec), file=sys.stderr, flush=True)
   from zerojax.train.trainer import train  # the default cadence, as train.py runs it
   every_s = inspect.signature(train).parameters["replica_every_s"].default
   out = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "summary": summarize(runs),

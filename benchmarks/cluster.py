@@ -430,6 +430,8 @@ def run(args) -> dict:
     out["kill"], out["hang"], out["restart_after"] = args.kill, args.hang, args.restart_after
     out["membership"], out["final_nodes"] = summary.get("membership"), summary.get("nodes")
     out["steps_logged"] = sorted(rows)
+    stamps = [rows[s]["time"] for s in sorted(rows) if "time" in rows[s]]
+    out["largest_gap_s"] = max((b - a for a, b in zip(stamps, stamps[1:])), default=None)  # between logged steps
   if late:
     out["warning"] = (f"the counters for step(s) {late} were read after a later step had been logged; the "
                       "window holds extra traffic: use more steps or a larger model")

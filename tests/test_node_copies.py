@@ -175,3 +175,20 @@ def test_the_cadence_turns_seconds_into_steps_once(monkeypatch):
   cadence = replica.Cadence(None, 2.0)
   assert [s for s in range(1, 14) if cadence.due(s)] == [8, 12] and cadence.every == 4
   assert [s for s in range(1, 8) if replica.Cadence(3, 120.0).due(s)] == [3, 6]
+
+
+def test_the_cadence_lengthens_when_a_copy_blocks_more_than_its_budget(monkeypatch):
+  """0.5 s steps, a copy every 4 steps (2 s): a copy that holds the loop 0.51 s (0.01 s beyond the step it
+  waits for anyway) is within 1% of 4 steps' 2 s and changes nothing; one that holds it 1.5 s (1 s beyond)
+  needs 200 steps between copies to stay within 1%. A fixed interval (the user's) is kept."""
+  clock = iter([0.0, 30.0, 30.5, 31.0, 31.5])
+  monkeypatch.setattr(replica.time, "monotonic", lambda: next(clock))
+  cadence = replica.Cadence(None, 2.0)
+  [cadence.due(s) for s in range(1, 6)]
+  cadence.copied(0.51)
+  assert cadence.every == 4
+  cadence.copied(1.5)
+  assert cadence.every == 200
+  fixed = replica.Cadence(3, 120.0)
+  fixed.copied(100.0)
+  assert fixed.every == 3

@@ -54,7 +54,7 @@ note("started.jsonl", {"node": node, "pid": pid, "n": n, "argv": argv, "env": en
 print(f"stand-in trainer: node {node}, process {pid} of {n}", flush=True)
 os.makedirs(d, exist_ok=True)
 with open(os.path.join(d, "run.json"), "w") as f:
-  json.dump({"plan": "P", "replicated": True, "why": None}, f)
+  json.dump({"plan": "P", "survives": True, "why": None}, f)
 here = os.path.join(work, "lockstep", coordinator.replace(":", "_"))
 os.makedirs(here, exist_ok=True)
 

@@ -30,7 +30,7 @@ args = dict(a.split("=", 1) for a in sys.argv[6:] if "=" in a)
 pid, n = int(args["--process_id"]), int(args["--num_processes"])
 d = args["--replica_dir"]
 os.makedirs(d, exist_ok=True)
-json.dump({"plan": "P", "replicated": True, "why": None}, open(os.path.join(d, "run.json"), "w"))
+json.dump({"plan": "P", "survives": True, "why": None}, open(os.path.join(d, "run.json"), "w"))
 if mode == "die" and pid == n - 1:
   time.sleep(0.3)
   os.kill(os.getpid(), signal.SIGKILL)

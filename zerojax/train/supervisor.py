@@ -1,13 +1,13 @@
 """A small supervisor of a multi-node run: when a node's process dies, it stops the others and starts
 the survivors again with one node fewer; when the node comes back, it starts the run at full size.
 
-Plans that hold a full replica of the train state per node (`zerojax.train.replica`) lose nothing the
-survivors do not hold: every process writes its node's copy every few minutes, and a
-start resumes from the latest step every surviving node holds, on any number of nodes; a node that
-rejoins takes its copy from a survivor (`train.py --join`). JAX's distributed runtime cannot shrink a
+Every plan loses nothing the survivors do not hold (`zerojax.train.replica`): every process writes its
+node's copy every few minutes (with the next node's part of what is sharded across nodes), and a start
+resumes from the latest step the surviving nodes hold between them, on any number of nodes; a node that
+rejoins takes its state from the survivors (`train.py --join`). JAX's distributed runtime cannot shrink a
 running job on CPUs (gloo), so the survivors are restarted: the route that works on every jax this
-project supports. Plans without a replica per node (ZeRO-3, ZeRO++, MiCS groups spanning nodes) stop
-with one line naming the step they resume from (their last checkpoint), as without the supervisor.
+project supports. A run whose processes are not one per node keeps no copies and stops with one line
+naming the step it resumes from (its last checkpoint), as without the supervisor.
 
 The supervisor launches one process per node through `launch(Start)` (`zerojax.train.launchers`): a
 local process, an `srun` step on the node's host inside a Slurm allocation, a Kubernetes pod, or one in a
@@ -402,13 +402,12 @@ class Supervisor:
     info = self.run_info() or {}
     plan = info.get("plan", "the plan")
     what = f"node {', '.join(map(str, lost))} lost after step {last}"
-    if not info.get("replicated"):
+    if not info.get("survives"):
       resume = self.last_checkpoint()
       why = f" ({info['why']})" if info.get("why") else ""
-      self.log(f"zerojax: {what}; {plan} holds no full replica of the train state per node{why}, so the run "
-               f"stops; start all {self.nodes} nodes again to "
-               + (f"resume from step {resume}, its last checkpoint" if resume is not None else
-                  "start over (no checkpoint was saved)"))
+      self.log(f"zerojax: {what}; {plan} keeps no node copies{why}, so the run stops; start all {self.nodes} "
+               "nodes again to " + (f"resume from step {resume}, its last checkpoint" if resume is not None else
+                                    "start over (no checkpoint was saved)"))
       self.status = 1
       return 1
     if not survivors:

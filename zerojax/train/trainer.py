@@ -358,7 +358,9 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
       if not (evaluating or saving or copying):
         continue
       if copying:  # taken before the step is logged; the files are written on the writer's thread
+        held = time.perf_counter()
         writer.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss, settings=settings)
+        cadence.copied(time.perf_counter() - held)
       eval_loss = evaluate(state) if evaluating else None
       finish(pending)  # logged with its eval loss
       pending = None
@@ -415,25 +417,30 @@ def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, che
 class Copies(NamedTuple):
   directory: str  # this node's folder
   node: int       # this process's node on the mesh
+  event: dict | None = None  # the membership change this start follows (`NodeCopy.event`)
 
 
 def _node_copies(ex: Executor, node_copy) -> Copies | None:
-  """Where this process writes its node's copy, or None: no `node_copy`, or a plan whose nodes hold no
-  full replica (said in one line: the run keeps its checkpoints only)."""
+  """Where this process writes its node's copy, or None: no `node_copy`, or not one process per node
+  (said in one line: the run keeps its checkpoints only). A plan that shards the state across nodes keeps
+  a neighbour's part in each node's copy too (`zerojax.train.replica`)."""
   if node_copy is None:
     return None
-  why = replica_lib.unsupported(ex)
   node = jax.process_index()
   own = {d.process_index for d in ex.mesh.devices[min(node, ex.mesh.devices.shape[0] - 1)].flat}
-  if why is None and (own != {node} or ex.mesh.devices.shape[0] != jax.process_count()):
-    why = "node copies need one process per node"
+  why = None if own == {node} and ex.mesh.devices.shape[0] == jax.process_count() else (
+      "node copies need one process per node")
+  across = replica_lib.sharded_across_nodes(ex)
   replica_lib.write_run(node_copy.directory, plan=label(ex.plan), nodes=int(ex.mesh.shape["node"]),
-                        replicated=why is None, why=why)
+                        survives=why is None, why=why, neighbour_parts=across is not None)
   if why is not None:
-    _say(f"plan {label(ex.plan)} holds no full replica of the train state per node ({why}): a lost node "
-         "stops the run, which resumes from its last checkpoint")
+    _say(f"plan {label(ex.plan)} keeps no node copies ({why}): a lost node stops the run, which resumes from "
+         "its last checkpoint")
     return None
-  return Copies(node_copy.directory, node)
+  if across is not None:
+    _say(f"plan {label(ex.plan)} shards the train state across nodes ({across}): each node's copy also keeps "
+         "the next node's part")
+  return Copies(node_copy.directory, node, node_copy.event)
 
 
 def _from_copies(ex: Executor, copies: Copies, found, check) -> checkpoint_lib.Resumed:
@@ -446,6 +453,9 @@ def _from_copies(ex: Executor, copies: Copies, found, check) -> checkpoint_lib.R
   holders, new = [i for i, h in enumerate(held) if h], [i for i, h in enumerate(held) if not h]
   where = (f"the nodes' own copies (held by nodes {holders}"
            + (f"; nodes {new} take theirs from node {holders[0]})" if new else ")"))
+  last = (copies.event or {}).get("last_step")
+  if last is not None and last > step:  # the steps since the last copy: at most one cadence
+    note = "; ".join(filter(None, [note, f"steps {step + 1}..{last} are trained again (the copies are of step {step})"]))
   return checkpoint_lib.Resumed(state, {**meta, "seed": seed}, where, note)
 
 
