@@ -19,13 +19,12 @@ Ethernet frames, so they include TCP/IP headers, acknowledgements and the coordi
 
 A node that dies: `--kill NODE@STEP` SIGKILLs that node's process when the lead logs STEP (`--hang`
 SIGSTOPs it: the supervisor's watchdog ends it), `--restart_after SECONDS` starts it again that long
-after. The supervisor (`zerojax.train.supervisor`) restarts the survivors with one node fewer from their
-own copies (WORKDIR/replicas/node<i>, the emulated local disks), and the node rejoins; the JSON gains
-`membership` (each loss and rejoin: time to detect, time to resume, steps lost). `--supervised` runs
-under the supervisor without a fault (the nodes write their copies).
+after. The supervisor restarts the survivors with one node fewer from their copies (WORKDIR/replicas/
+node<i>, the emulated local disks), and the node rejoins; the JSON gains `membership` (each loss and
+rejoin: time to detect, to resume, steps lost) and `largest_gap_s`; `--supervised`: no fault, copies on.
 
-Prints one JSON object. Needs root, `ip`, `tc` and `unshare`; namespaces, links and processes are
-removed on exit, also on failure, Ctrl-C or SIGTERM.
+Prints one JSON object. Needs root, `ip`, `tc` and `unshare`; namespaces, links and processes are removed
+on exit, also on failure, Ctrl-C or SIGTERM.
 """
 from __future__ import annotations
 
@@ -429,8 +428,7 @@ def run(args) -> dict:
   if sup is not None:
     out["kill"], out["hang"], out["restart_after"] = args.kill, args.hang, args.restart_after
     out["membership"], out["final_nodes"] = summary.get("membership"), summary.get("nodes")
-    out["steps_logged"] = sorted(rows)
-    stamps = [rows[s]["time"] for s in sorted(rows) if "time" in rows[s]]
+    out["steps_logged"], stamps = sorted(rows), [rows[s]["time"] for s in sorted(rows) if "time" in rows[s]]
     out["largest_gap_s"] = max((b - a for a, b in zip(stamps, stamps[1:])), default=None)  # between logged steps
   if late:
     out["warning"] = (f"the counters for step(s) {late} were read after a later step had been logged; the "

@@ -18,7 +18,7 @@ import pytest
 import zerojax
 import zerojax.plan as plans
 from tests import helpers
-from zerojax.train import replica, report, state_spec, supervisor
+from zerojax.train import node_parts, replica, report, state_spec, supervisor
 
 BATCH = 24  # divides 3 x 2 and 2 x 2 devices
 
@@ -169,12 +169,12 @@ def test_a_plan_sharded_across_nodes_survives_a_lost_node(tmp_path, plan, lost):
   float reassociation; ZeRO++'s quantization blocks follow the mesh, so its step is not compared), and
   restore back onto 3 x 2 with the newcomer taking its part from them."""
   big = make(plan, 3)
-  assert replica.sharded_across_nodes(big) is not None
+  assert node_parts.sharded_across_nodes(big) is not None
   state = train(big, big.init_from_params(jax.jit(big.model.init)(jax.random.key(0))), 0, 2)
   before = logical(big, state)
   names = ["a", "b", "c"]
   save_all(big, state, tmp_path, names)
-  across = {state_spec.SEP.join(l.names) for l in state_spec.state_spec_of(big).leaves if replica.across_nodes(big, l)}
+  across = {state_spec.SEP.join(l.names) for l in state_spec.state_spec_of(big).leaves if node_parts.across_nodes(big, l)}
   assert across
   for n, name in enumerate(names):
     meta = replica.read_meta(str(tmp_path / name), 2)

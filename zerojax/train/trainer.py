@@ -23,7 +23,7 @@ from zerojax import planner
 from zerojax.plan import Plan, zero3
 from zerojax.planner import remat as remat_choice
 from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, data as data_lib
-from zerojax.train import export as export_lib, replica as replica_lib, report, user_model
+from zerojax.train import export as export_lib, node_parts, replica as replica_lib, report, user_model
 from zerojax.train import model_spec as spec_lib, run_metrics, tokenizer as tokenizer_lib
 from zerojax.train.profile import Profile
 from zerojax.train.progress import Progress
@@ -430,7 +430,7 @@ def _node_copies(ex: Executor, node_copy) -> Copies | None:
   own = {d.process_index for d in ex.mesh.devices[min(node, ex.mesh.devices.shape[0] - 1)].flat}
   why = None if own == {node} and ex.mesh.devices.shape[0] == jax.process_count() else (
       "node copies need one process per node")
-  across = replica_lib.sharded_across_nodes(ex)
+  across = node_parts.sharded_across_nodes(ex)
   replica_lib.write_run(node_copy.directory, plan=label(ex.plan), nodes=int(ex.mesh.shape["node"]),
                         survives=why is None, why=why, neighbour_parts=across is not None)
   if why is not None:
