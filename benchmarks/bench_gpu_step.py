@@ -72,7 +72,7 @@ from zerojax.train.optim import make_optimizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the other benchmarks' helpers
 from bench_added_work import xla_bytes  # noqa: E402  (XLA's bytes accessed, also of compile-only GPU programs)
-from common import error_text, print_and_save, spread  # noqa: E402
+from common import error_text, interleaved, print_and_save, spread  # noqa: E402
 
 PLANS = "dp,zero3,zeropp,mics"
 GPU = dict(d_model=2048, layers=12, heads=16, vocab=32000, seq=1024, batch=8, dtype="bfloat16",
@@ -116,12 +116,7 @@ def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
   """A bf16 n^3 matmul's TFLOP/s on the first device (median of `reps`)."""
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
   f = jax.jit(lambda a: a @ a)
-  jax.block_until_ready(f(a))
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(a))
-    ts.append(time.perf_counter() - t0)
+  ts = interleaved({"matmul": lambda i: jax.block_until_ready(f(a))}, reps, warmup=1)["matmul"]
   return 2 * n ** 3 / statistics.median(ts) / 1e12
 
 
@@ -275,23 +270,16 @@ def run_block(c, combo, names, params, opt, mesh, batches, flops, peak, measured
       if row.get("bytes_accessed") and plain.get("bytes_accessed"):
         row["bytes_accessed_ratio_to_plain"] = round(row["bytes_accessed"] / plain["bytes_accessed"], 4)
     return {"remat": remat, "attention": attention, "xla": xla, "systems": rows}
-  times = {k: [] for k in systems}
-  for r in range(c["reps"]):
-    order = list(systems) if r % 2 == 0 else list(systems)[::-1]
-    for name in order:
-      s = systems[name]
-      if "error" in s.row:
-        continue
-      try:
-        ts = []
-        for i in range(c["steps"]):
-          t0 = time.perf_counter()
-          loss = s.step(i)
-          ts.append(time.perf_counter() - t0)
-        times[name].append(1e3 * statistics.median(ts))
-        s.row["last_loss"] = float(loss)
-      except Exception as e:  # noqa: BLE001 - recorded in the row
-        s.row["error"] = error_text(e)
+
+  def last_loss(name, i, loss):
+    if i == c["steps"] - 1:
+      systems[name].row["last_loss"] = float(loss)
+
+  def failed(name, e):  # recorded in the row; the others go on
+    systems[name].row["error"] = error_text(e)
+  seconds = interleaved({name: s.step for name, s in systems.items()}, c["reps"], steps=c["steps"],
+                        after=last_loss, on_error=failed)
+  times = {name: [1e3 * t for t in ts] for name, ts in seconds.items()}
   plain = rows.get("plain", {})
   for name, row in rows.items():
     if name in times and times[name]:

@@ -45,7 +45,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,7 +55,7 @@ from pallas_kernels import tuning  # noqa: E402
 from zerojax.quant import quantization as Q  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the other benchmarks' helpers
-from common import error_text, print_and_save, spread  # noqa: E402
+from common import error_text, interleaved, print_and_save, spread  # noqa: E402
 
 NODES, GPUS = 2, 4
 GPU_SIZES = "1M,4M,16M,64M,256M"
@@ -80,25 +79,15 @@ def sig(x: float, digits: int = 4) -> float:
   return float(f"{x:.{digits - 1}e}")
 
 
-def interleaved(calls: dict, reps: int, errors: dict | None = None) -> dict:
-  """{name: [ms of one call, per repetition]}: `calls[name] = (fn, args)`, already warm; each repetition
-  calls every fn once, in order on even repetitions and in reverse on odd ones. A call that raises puts
-  its error in `errors[name]` and drops that name from the result."""
-  times = {name: [] for name in calls}
-  names = list(calls)
-  for r in range(reps):
-    for name in (names if r % 2 == 0 else names[::-1]):
-      if name not in times:
-        continue
-      fn, args = calls[name]
-      try:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times[name].append(1e3 * (time.perf_counter() - t0))
-      except Exception as e:  # noqa: BLE001 - recorded by the caller
-        (errors if errors is not None else {})[name] = error_text(e, 500)
-        del times[name]
-  return times
+def call_ms(calls: dict, reps: int, errors: dict) -> dict:
+  """{name: [ms of one call, per repetition]}: `calls[name] = (fn, args)`, already warm, timed by
+  `common.interleaved` (one call per repetition, the order alternating). A call that raises puts its error
+  in `errors[name]` and drops that name from the result."""
+  def failed(name, e):
+    errors[name] = error_text(e, 500)
+  fns = {name: (lambda i, fn=fn, args=args: jax.block_until_ready(fn(*args))) for name, (fn, args) in calls.items()}
+  times = interleaved(fns, reps, on_error=failed)
+  return {name: [1e3 * t for t in ts] for name, ts in times.items() if name not in errors}
 
 
 def available_backends() -> list[str]:
@@ -175,7 +164,7 @@ def copy_ceiling(nbytes: int, reps: int) -> dict:
       calls[name] = (fn, (x,))
     del out
   moved = 2 * 4 * words
-  times = interleaved(calls, max(reps, 10), errors)
+  times = call_ms(calls, max(reps, 10), errors)
   del calls, u32, f32
   table = {}
   for name, ms in times.items():
@@ -246,7 +235,7 @@ def bench_ops(n, block, k, backends, reps, ceiling_gbps, case_fn=None):
         info[backend] = dict(base, mismatched_bytes_vs_xla=mismatch)
         del out
       errors = {}
-      times = interleaved(calls, reps, errors)
+      times = call_ms(calls, reps, errors)
       for backend in backends:
         row = info[backend]
         if backend in errors:
@@ -291,7 +280,7 @@ def bench_fusion(n, block, k, backend, reps):
       mismatch = mismatched_bytes(f_out, u_out)
       del f_out, u_out
       errors = {}
-      times = interleaved({"fused": (fused, (vk, sk)), "unfused": (unfused, (vk, sk))}, reps, errors)
+      times = call_ms({"fused": (fused, (vk, sk)), "unfused": (unfused, (vk, sk))}, reps, errors)
       if errors:
         raise RuntimeError("; ".join(f"{k}: {v}" for k, v in errors.items()))
       f, u = spread(times["fused"]), spread(times["unfused"])

@@ -44,7 +44,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -61,7 +60,7 @@ from zerojax import gpu_aot  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
 from zerojax.executor.memory import memory_report  # noqa: E402
-from common import error_text, spread  # noqa: E402
+from common import error_text, interleaved, spread  # noqa: E402
 
 SETTINGS = ((), ("opt_state",), ("opt_state", "master"))
 STATE_BYTES = 18  # per parameter: bf16 weights 2, fp32 gradients 4, master 4, AdamW's moments 8
@@ -120,18 +119,22 @@ def cost(args) -> dict:
                      "losses": []}
       except Exception as e:  # noqa: BLE001  (recorded, the others go on)
         rows[key] = {"plan": name, "offload": list(off), "update": update, "error": error_text(e)}
-  order = list(systems)
-  for rep in range(args.reps):
-    for key in (order if rep % 2 == 0 else order[::-1]):
-      s, times, losses = systems[key], [], []
-      for b in s["shards"]:
-        t0 = time.perf_counter()
-        s["state"], m = s["compiled"](s["state"], b)
-        jax.block_until_ready(m.loss)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(m.loss))
-      rows[key]["times"].append(statistics.median(times))
-      rows[key]["losses"].append(losses)
+
+  def stepper(s):
+    def step(i):
+      s["state"], m = s["compiled"](s["state"], s["shards"][i])
+      jax.block_until_ready(m.loss)
+      return m
+    return step
+
+  def loss(key, i, m):
+    if i == 0:
+      rows[key]["losses"].append([])
+    rows[key]["losses"][-1].append(float(m.loss))
+  times = interleaved({key: stepper(s) for key, s in systems.items()}, args.reps,
+                      steps=args.steps, after=loss)
+  for key, ts in times.items():
+    rows[key]["times"] = ts
   for key, r in rows.items():
     if "error" in r:
       continue

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from common import interleaved  # benchmarks/, this script's directory
+
 FLAG = "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED"
 
 
@@ -70,12 +72,8 @@ def child(args):
   matmul = smap(lambda a: a @ a, P(axes), P(axes))
   both = smap(lambda x, a: (jax.lax.all_gather(x, axes, tiled=True), a @ a), (P(axes), P(axes)), (P(axes), P(axes)))
   cases = {"a_all_gather": (gather, (shard,)), "b_matmul": (matmul, (mat,)), "c_both": (both, (shard, mat))}
-  times = {c: [] for c in cases}
-  for f, xs in cases.values():
-    run(f)(*xs)
-  for _ in range(args.reps):
-    for c, (f, xs) in cases.items():
-      times[c].append(run(f)(*xs))
+  times = interleaved({c: (lambda i, f=f, xs=xs: jax.block_until_ready(f(*xs))) for c, (f, xs) in cases.items()},
+                      args.reps, warmup=1, order="fixed")
   out = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "gather_mb": n * 4 / 2**20, "matmul_k": k,
          **{c: stats(t) for c, t in times.items()}}
   a, b, c = (out[x]["median_s"] for x in cases)

@@ -13,8 +13,6 @@ import os
 if "XLA_FLAGS" not in os.environ:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
-import time  # noqa: E402
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -22,6 +20,7 @@ import zerojax  # noqa: E402
 from zerojax import plan as plans  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
+from common import interleaved  # noqa: E402  (benchmarks/, this script's directory)
 
 VARIANTS = {
     "zero3": lambda **kw: plans.zero3(**kw),
@@ -35,17 +34,24 @@ VARIANTS = {
 
 
 def time_steps(runs: dict, steps: int, batch: int, seq_len: int) -> None:
-  """Interleaved step times: each `runs[name] = [executor, state, step_fn, times]` takes one step on the
-  same random byte batch in turn; step 0 compiles and is not timed. Appends to `times` in place."""
+  """Interleaved step times (`common.interleaved`, one step per repetition, always in the same order): each
+  `runs[name] = [executor, state, step_fn, times]` takes one step on the same random byte batch in turn
+  (a new batch each repetition, its device_put timed with the step); step 0 compiles and is not timed.
+  Appends to `times` in place."""
   rng = np.random.default_rng(0)
-  for i in range(steps + 1):
-    b = rng.integers(0, 256, (1, batch, seq_len + 1)).astype(np.int32)
-    for r in runs.values():
-      t = time.perf_counter()
-      r[1], m = r[2](r[1], jax.device_put(b, r[0].batch_sharding))
+  current = []
+
+  def draw(i):
+    current[:] = [rng.integers(0, 256, (1, batch, seq_len + 1)).astype(np.int32)]
+
+  def stepper(r):
+    def step(i):
+      r[1], m = r[2](r[1], jax.device_put(current[0], r[0].batch_sharding))
       jax.block_until_ready(m)
-      if i:
-        r[3].append(time.perf_counter() - t)
+    return step
+  times = interleaved({name: stepper(r) for name, r in runs.items()}, steps, warmup=1, order="fixed", before=draw)
+  for name, r in runs.items():
+    r[3].extend(times[name])
 
 
 def main():

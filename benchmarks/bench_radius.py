@@ -68,7 +68,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import cluster  # noqa: E402
-from common import write_section  # noqa: E402
+from common import interleaved, write_section  # noqa: E402
 import radius_compare  # noqa: E402
 
 SECTION = "## Radius: sparse replica sync on the emulated cluster"
@@ -128,14 +128,15 @@ def run_overhead(reps: int) -> dict:
     for _ in range(2):  # compile; Radius: the select step, then the sparse one
       state, m = step(state, b)
       float(m.loss)
-    runs[name] = [state, step, b, []]
-  for _ in range(reps):
-    for r in runs.values():
-      t = time.perf_counter()
+    runs[name] = [state, step, b]
+
+  def stepper(r):
+    def step(i):
       r[0], m = r[1](r[0], r[2])
       float(m.loss)
-      r[3].append(time.perf_counter() - t)
-  return {name: {"median_s": statistics.median(r[3]), "min_s": min(r[3]), "reps": reps} for name, r in runs.items()}
+    return step
+  times = interleaved({name: stepper(r) for name, r in runs.items()}, reps, order="fixed")
+  return {name: {"median_s": statistics.median(ts), "min_s": min(ts), "reps": reps} for name, ts in times.items()}
 
 
 def summarize(runs: list[dict], period: int = 200) -> list[dict]:

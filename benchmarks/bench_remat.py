@@ -12,8 +12,6 @@ saved activations live) and the whole footprint. Prints one JSON object.
 import argparse
 import json
 import os
-import statistics
-import time
 
 if "XLA_FLAGS" not in os.environ:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -25,7 +23,7 @@ import zerojax
 from zerojax import gpu_aot
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax.train.optim import make_optimizer
-from common import spread  # benchmarks/, this script's directory
+from common import interleaved, spread  # benchmarks/, this script's directory
 
 
 def main(argv=None):
@@ -63,16 +61,15 @@ def main(argv=None):
       pairs[(name, mode)] = {"step": step, "state": state, "times": [], "first_loss": float(m.loss),
                              "temp_bytes": mem["temp"],
                              "total_bytes": mem["temp"] + mem["argument"] + mem["output"] - mem["alias"]}
-  keys = list(pairs)
-  for r in range(args.reps):
-    for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-      p, times = pairs[key], []
-      for b in batches:
-        t = time.perf_counter()
-        p["state"], m = p["step"](p["state"], b)
-        jax.block_until_ready(m)
-        times.append(time.perf_counter() - t)
-      p["times"].append(statistics.median(times))
+
+  def stepper(p):
+    def step(i):
+      p["state"], m = p["step"](p["state"], batches[i])
+      jax.block_until_ready(m)
+    return step
+  times = interleaved({key: stepper(p) for key, p in pairs.items()}, args.reps, steps=args.steps, order="rotate")
+  for key, p in pairs.items():
+    p["times"] = times[key]
   rows = [{"plan": name, "remat": mode, "step_s": spread(p["times"]), "temp_bytes": p["temp_bytes"],
            "total_bytes": p["total_bytes"], "first_loss": p["first_loss"]} for (name, mode), p in pairs.items()]
   print(json.dumps({"benchmark": "remat", "devices": mesh.size, "mesh": {k: int(v) for k, v in mesh.shape.items()},

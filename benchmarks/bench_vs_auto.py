@@ -21,8 +21,6 @@ import argparse
 import collections
 import json
 import os
-import statistics
-import time
 
 if "XLA_FLAGS" not in os.environ:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -39,7 +37,7 @@ import zerojax
 from zerojax import analysis, gpu_aot
 from zerojax.models.gpt import Block, GPTConfig, embed_tokens, head_loss, gpt
 from zerojax.train.optim import make_optimizer
-from common import spread  # benchmarks/, this script's directory
+from common import interleaved, spread  # benchmarks/, this script's directory
 
 DATA = ("node", "gpu")
 # The embedding dimension of each weight matrix (MaxText's "embed" logical axis): wte [vocab, d],
@@ -151,27 +149,17 @@ def main(argv=None):
   collectives = {k: dict(collections.Counter(x.op for x in analysis.collectives_from_hlo(c.as_text(), mesh)
                                              for _ in range(x.count)))
                  for k, c in compiled.items()}
-  times = {"zerojax": [], "gspmd": []}
 
-  def run_zerojax():
+  def run_zerojax(i):
     nonlocal state, m
-    for b in zb:
-      t = time.perf_counter()
-      state, m = zstep(state, b)
-      jax.block_until_ready(m)
-      yield time.perf_counter() - t
+    state, m = zstep(state, zb[i])
+    jax.block_until_ready(m)
 
-  def run_gspmd():
+  def run_gspmd(i):
     nonlocal aparams, aopt, aloss
-    for b in ab:
-      t = time.perf_counter()
-      aparams, aopt, aloss = astep(aparams, aopt, b)
-      jax.block_until_ready(aloss)
-      yield time.perf_counter() - t
-  for r in range(args.reps):
-    order = (("zerojax", run_zerojax), ("gspmd", run_gspmd))
-    for name, run in (order if r % 2 == 0 else order[::-1]):
-      times[name].append(statistics.median(run()))
+    aparams, aopt, aloss = astep(aparams, aopt, ab[i])
+    jax.block_until_ready(aloss)
+  times = interleaved({"zerojax": run_zerojax, "gspmd": run_gspmd}, args.reps, steps=args.steps)
   ratios = [z / a for z, a in zip(times["zerojax"], times["gspmd"])]
   print(json.dumps({
       "benchmark": "zerojax_vs_gspmd_fsdp", "plan": plan.name, "remat": remat, "devices": mesh.size,

@@ -1,6 +1,6 @@
-"""What the benchmarks share: the spread of repeated figures, an error as a report records it, a section
-of benchmarks/RESULTS.md written again, and a result printed and saved. (The bytes of a compiled program
-are `zerojax.gpu_aot.memory`.)"""
+"""What the benchmarks share: timing in interleaved repetitions, the spread of repeated figures, an error as
+a report records it, a section of benchmarks/RESULTS.md written again, and a result printed and saved. (The
+bytes of a compiled program are `zerojax.gpu_aot.memory`.)"""
 from __future__ import annotations
 
 import json
@@ -8,11 +8,67 @@ import os
 import pathlib
 import statistics
 import sys
+import time
 
 
 def spread(values) -> dict:
   """Median, min and max of repeated figures (timings, ratios)."""
   return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+ORDERS = ("alternate", "rotate", "fixed")
+
+
+def interleaved(fns: dict, reps: int, steps: int = 1, warmup: int = 0, order: str = "alternate",
+                before=None, after=None, on_error=None) -> dict[str, list[float]]:
+  """Seconds of each of `fns` per repetition, timed in interleaved repetitions, so that a slow phase of a
+  shared machine falls on every one of them alike.
+
+  A repetition runs every name in turn: `steps` calls fn(0) .. fn(steps - 1), each timed alone with
+  `time.perf_counter` (fn returns when its work is done: it blocks on its result, `jax.block_until_ready`
+  or a read of it); the name's figure for the repetition is the median of those calls (with steps=1 the
+  call's own time). The order of the names: "alternate", as given on even repetitions and reversed on odd
+  ones; "rotate", starting one name further each repetition; "fixed", always as given. `warmup` untimed
+  repetitions come first, in the order of the first timed one. Untimed hooks: `before(r)` runs before
+  repetition r (warm-up repetitions counted, from 0), `after(name, i, out)` after each call with what the
+  call returned. A fn that raises calls `on_error(name, error)` and is left out of the later repetitions,
+  its figures so far kept; without `on_error` the error propagates.
+
+  Returns {name: [figure per timed repetition]}; `spread` of a list is its median, min and max."""
+  if order not in ORDERS:
+    raise ValueError(f"order {order!r}; expected one of {ORDERS}")
+  names, failed = list(fns), set()
+  times = {name: [] for name in names}
+  for r in range(-warmup, reps):
+    if before is not None:
+      before(r + warmup)
+    k = max(r, 0)  # a warm-up repetition takes the first timed one's order
+    if order == "rotate" and names:
+      turn = names[k % len(names):] + names[:k % len(names)]
+    elif order == "alternate" and k % 2:
+      turn = names[::-1]
+    else:
+      turn = names
+    for name in turn:
+      if name in failed:
+        continue
+      fn, ts = fns[name], []
+      try:
+        for i in range(steps):
+          t0 = time.perf_counter()
+          out = fn(i)
+          ts.append(time.perf_counter() - t0)
+          if after is not None:
+            after(name, i, out)
+      except Exception as e:  # noqa: BLE001 - the caller's on_error records it
+        if on_error is None:
+          raise
+        on_error(name, e)
+        failed.add(name)
+        continue
+      if r >= 0:
+        times[name].append(statistics.median(ts))
+  return times
 
 
 def error_text(e: BaseException, limit: int = 600) -> str:
