@@ -133,7 +133,7 @@ def _exit_code(e: Exception) -> int | None:
   """2 for what the user can fix (config, data, checkpoint, disk), 1 for a diverged run, None otherwise."""
   if isinstance(e, (ValueError, TypeError, OSError)):  # ConfigError and CheckpointError are ValueErrors
     return 2
-  from zerojax.train.trainer import NonFiniteError
+  from zerojax.train.loop import NonFiniteError
   return 1 if isinstance(e, NonFiniteError) else None
 
 

@@ -1,19 +1,17 @@
-"""The training loop behind `train.py`: gin-configured, multi-host aware, with progress and metrics."""
+"""The trainer behind `train.py`: gin-configured, multi-host aware, with progress and metrics; `train` sets
+up the run, resumes it and writes its summary; its steps are `zerojax.train.loop`'s."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
 import signal
-import time
 from typing import NamedTuple
 
 import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-from tqdm import tqdm
 
 from zerojax.planner.space import label
 from zerojax.executor import Executor
@@ -24,13 +22,13 @@ from zerojax.plan import Plan, zero3
 from zerojax.planner import remat as remat_choice
 from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, data as data_lib
 from zerojax.train import export as export_lib, node_parts, replica as replica_lib, report, user_model
-from zerojax.train import model_spec as spec_lib, run_metrics, tokenizer as tokenizer_lib
-from zerojax.train.profile import Profile
+from zerojax.train import model_spec as spec_lib, tokenizer as tokenizer_lib
+from zerojax.train.loop import Loop, RunConfig, Setup, Start, say as _say
 from zerojax.train.progress import Progress
 from zerojax.train.model_spec import ModelSpec, llama_config, model_config, model_spec  # noqa: F401  (gin configurables)
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
 from zerojax.train.gin_registry import RUN_SETTINGS  # `train.*` in gin, for every plan
-from zerojax.train.optim import make_optimizer, make_schedule
+from zerojax.train.optim import make_optimizer
 from zerojax.train.signals import StopSignal
 
 
@@ -46,12 +44,6 @@ def platform_compute_dtype(mesh) -> str:
   """The compute dtype where `train.compute_dtype` is unset: bf16 on GPUs (the tensor cores' dtype; the
   master weights stay fp32), fp32 on CPUs (where bf16 matmuls are slower than fp32)."""
   return "float32" if mesh.devices.flat[0].platform == "cpu" else "bfloat16"
-
-
-class NonFiniteError(RuntimeError):
-  pass
-
-
 
 
 def with_run_settings(plan: Plan, param_dtype: str | None = None, compute_dtype: str | None = None,
@@ -207,201 +199,123 @@ def train(workdir: str, data: str | None = None, restore_from: str | None = None
   """
   args = dict(locals())
   config_lib.check_run_settings(**args)
+  run = RunConfig(**args)
   stop = StopSignal().install()
   try:
-    return _train(stop=stop, **args)
+    return _train(run, stop)
   finally:
     stop.uninstall()
-
-
-def _say(msg: str) -> None:
-  if jax.process_index() == 0:
-    print(f"zerojax: {msg}", flush=True)
 
 
 def _finite(x):
   return x if x is not None and np.isfinite(x) else None
 
 
-def _train(workdir, data, restore_from, allow_changed, *, stop, plan, steps, checkpoint_every,
-           keep_checkpoints, batch_size, accum_steps, num_nodes, seed, eval_every, eval_batches, log_every,
-           max_consecutive_skips, data_dtype, tokenizer, eval_data, pad_multiple, param_dtype, compute_dtype,
-           export, progress, model, node_copy, replica_every, replica_every_s, architecture, init_from, profile_steps,
-           start_over, heartbeat, wandb_project, wandb_entity) -> dict:
-  allowed = config_lib.check_allowed(allow_changed)
-  tok = tokenizer_lib.load(tokenizer) if tokenizer is not None else None
-  spec = spec_lib.model_spec(architecture, init_from)
-  dataset = data_lib.open_data(data, eval_path=eval_data, seq_len=spec.seq_len, data_dtype=data_dtype,
-                               tokenizer=tok)  # reads no ids: cheap, and it says the vocabulary
-  spec = spec.with_vocab(dataset.vocab_size)
-  cfg, vocab = spec.config, spec.config.vocab_size
-  data_lib.check_vocab(dataset, vocab)
-  ex = build(plan, num_nodes, steps=steps, accum_steps=accum_steps, pad_multiple=pad_multiple,
-             param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model, spec=spec)
-  plan, mesh = ex.plan, ex.mesh
-  ex.check_batch((accum_steps, batch_size, cfg.seq_len + 1))
-  if ex.remat_choice.get("rows"):  # chosen by compiling (GPUs): say what and why
-    _say(ex.remat_choice["why"])
-  settings = config_lib.run_settings(spec.settings(), steps=steps, batch_size=batch_size, accum_steps=accum_steps,
-                                     user_model=model, data=data_lib.identity(dataset))
-  check = lambda meta, where: config_lib.check_resume(meta.get("settings"), settings, meta["step"], where, allowed)
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=keep_checkpoints)
-  log = loader = None
-  writer, cadence = replica_lib.Writer(), replica_lib.Cadence(replica_every, replica_every_s)
+def _train(run: RunConfig, stop: StopSignal) -> dict:
+  """One run: its setup, the state it starts from, the loop, the summary."""
+  s = _setup(run)
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(run.workdir, "checkpoints"), max_to_keep=run.keep_checkpoints)
+  writer, loop = replica_lib.Writer(), None
   try:
-    copies = _node_copies(ex, node_copy)
-    found = replica_lib.agree(node_copy.directory, node_copy.joining, seed) if copies else None
-    if found is not None and found[0] >= (ckpt.latest_step() or -1):
-      resumed = _from_copies(ex, copies, found, check)
-    else:
-      resumed = checkpoint_lib.resume(ex, ckpt, restore_from, check=check, warn=_say, start_over=start_over)
-    start_step = int(resumed.state.step) if resumed is not None else 0
-    if resumed is not None and start_step >= steps:
-      _say(f"the run already finished: the checkpoint in {resumed.directory} is at step {start_step}, "
-           f"train.steps={steps}; {workdir} is left as it is (raise train.steps to train on)")
-      return {**_read_summary(workdir), "status": "already finished", "step": start_step}
-    if resumed is not None:  # the data position is the step; the data order is the checkpoint's seed
-      seed, asked = resumed.meta.get("seed", seed), seed
-      _say(f"restored step {start_step} from {resumed.directory}"
-           + (f" (data seed {seed}; train.seed={asked} applies to new runs only)" if seed != asked else ""))
-      if resumed.note:
-        _say(resumed.note)
-    if resumed is not None:
-      state = resumed.state
-    elif spec.init_from is not None:
-      state = ex.init_from_params(spec_lib.initial_params(spec))  # each device is sent its own shards
-      _say(f"initialised from {spec.init_from} ({spec.model_type}, {spec.describe()})")
-    else:
-      state = ex.init(jax.random.key(seed))
-    step_fn, eval_fn = ex.step_fn(), ex.eval_fn()
-    eval_sharding = NamedSharding(mesh, P(ex.batch_axes))
-    held_out = data_lib.eval_arrays(dataset.eval, eval_sharding, num_batches=eval_batches, batch_size=batch_size,
-                                    seq_len=cfg.seq_len, vocab_size=vocab)
-    batches = data_lib.Batches(data_lib.Windows(dataset.train, cfg.seq_len, seed, vocab, "the training data"),
-                               ex.batch_sharding, accum_steps=accum_steps, batch_size=batch_size)
-    loader = data_lib.Prefetcher(batches.at, start_step, steps)
-    loss_of = lambda out: out[0] if ex.model.has_aux else out
-    evaluate = lambda st: float(np.mean([float(loss_of(eval_fn(st.params, b, st.mutable))) for b in held_out]))
-
-    lead = jax.process_index() == 0
-    first_loss = resumed.meta.get("first_loss") if resumed is not None else None
-    if lead:
-      os.makedirs(workdir, exist_ok=True)
-      config_lib.write(os.path.join(workdir, "config.gin"), CONFIG_HEADER.format(workdir=workdir))
-      spec_lib.write(workdir, spec, tokenizer)
-      about = wandb_project and {**config_lib.gin_settings(), **settings, "plan": label(plan), "mesh": dict(mesh.shape)}
-      log = report.RunLog(workdir, start_step, wandb_project, wandb_entity, config=about)
-      if first_loss is None and resumed is not None:
-        first_loss = log.first_loss()
-    _say(f"plan={label(plan)} mesh={dict(mesh.shape)} data={dataset.source}")
-    _say(f"model-state bytes per device {json.dumps(memory_report(ex)['expected'])}")
-    tokens_per_step = batch_size * accum_steps * cfg.seq_len
-    rates = run_metrics.Rates(tokens_per_step, None if model else run_metrics.flops_per_token(spec), mesh.size,
-                              run_metrics.peak_flops(mesh.devices.flat[0].device_kind))
-    lr_at = make_schedule(steps)
-    bar = tqdm(total=steps, initial=start_step, disable=not (lead and progress), dynamic_ncols=True)
-    in_a_row, times, waits, loss, eval_loss = 0, [], [], float("nan"), None
-    stopped, step = stop.requested(), start_step
-    nodes = int(mesh.shape["node"])
-    event = node_copy.event if node_copy is not None else None
-    pending, ready_at, eval_loss = None, None, None
-    profiler = Profile(workdir, profile_steps, lead)
-
-    def finish(d: run_metrics.Dispatched):
-      """The host's work for a step whose metrics are read: the skip rule, the record, the progress bar."""
-      nonlocal in_a_row, first_loss, loss, ready_at, event
-      done, ready_at = run_metrics.read(d, ready_at)
-      loss = done.loss
-      if done.step > start_step + 1:  # the first step includes compilation
-        times.append(done.seconds)
-      in_a_row = 0 if done.finite else in_a_row + 1
-      if in_a_row >= max_consecutive_skips:
-        raise NonFiniteError(f"{in_a_row} steps in a row had non-finite loss or gradients (last at step "
-                             f"{done.step}, loss={done.loss}); lower the learning rate or check the data")
-      first_loss = done.loss if first_loss is None and done.finite else first_loss
-      evaluated = eval_loss if done.step == step else None
-      if lead and done.skipped is not None:
-        rec = {"step": done.step, "time": time.time(), "nodes": nodes, "loss": done.loss,
-               "learning_rate": float(lr_at(done.step - 1)), "grad_norm": done.grad_norm, "skipped": done.skipped,
-               "step_time_s": done.seconds, "data_wait_s": done.data_wait, **rates.of(done.seconds),
-               **run_metrics.device_memory()}
-        if event is not None:  # the first step after a node was lost or rejoined
-          rec["event"], event = report.membership(event, rec["time"], start_step), None
-        log.write(rec if evaluated is None else {**rec, "eval_loss": evaluated})
-      bar.set_postfix(loss=f"{done.loss:.3f}", tok_s=f"{tokens_per_step / done.seconds:,.0f}",
-                      step_s=f"{done.seconds:.3f}")
-      bar.update(1)
-      profiler.after(done.step)
-      if heartbeat is not None:
-        heartbeat.completed(done.step, steps)
-
-    while step < steps and not stopped:
-      batch, data_wait = loader.get(step)
-      waits.append(data_wait)
-      profiler.before(step + 1)
-      dispatched = time.perf_counter()
-      state, metrics = step_fn(state, batch)
-      step += 1
-      if step == start_step + 1 and ex.prefetch_fallbacks():
-        for u, why in ex.prefetch_fallbacks().items():  # said once: a default the model cannot use
-          _say(f"unit {u!r}: {why}")
-      stopped = stop.requested()
-      evaluating = (eval_every and step % eval_every == 0) or step == steps
-      saving = (checkpoint_every and step % checkpoint_every == 0) or step == steps or stopped
-      copying = copies and (cadence.due(step) or step == steps or stopped)
-      logged = step % log_every == 0 or evaluating
-      # the skip count is one per replica with DiLoCo: every process joins its sum (read with the metrics)
-      now = run_metrics.Dispatched(step, metrics, jnp.sum(state.skipped) if logged else None, dispatched, data_wait)
-      if pending is not None:
-        finish(pending)  # the previous step's metrics: the device computes this one meanwhile
-      pending = now
-      if not (evaluating or saving or copying):
-        continue
-      if copying:  # taken before the step is logged; the files are written on the writer's thread
-        held = time.perf_counter()
-        writer.save(ex, state, copies.directory, copies.node, seed=seed, first_loss=first_loss, settings=settings)
-        cadence.copied(time.perf_counter() - held)
-      eval_loss = evaluate(state) if evaluating else None
-      finish(pending)  # logged with its eval loss
-      pending = None
-      if saving:
-        ckpt.save(ex, state, seed=seed, first_loss=first_loss, settings=settings)
-    if pending is not None:
-      finish(pending)
-    profiler.close()
-    ckpt.wait()
-    writer.wait()  # a failed write of a node copy stops the run here, or at the next save
-    bar.close()
+    copies, resumed = _resume(run, s, ckpt)
+    if resumed is not None and int(resumed.state.step) >= run.steps:
+      step = int(resumed.state.step)
+      _say(f"the run already finished: the checkpoint in {resumed.directory} is at step {step}, "
+           f"train.steps={run.steps}; {run.workdir} is left as it is (raise train.steps to train on)")
+      return {**_read_summary(run.workdir), "status": "already finished", "step": step}
+    loop = Loop(run, s, _start(run, s, resumed), copies, stop, ckpt, writer)
+    loop.open()
+    loop.run()
   finally:
     writer.wait(quiet=True)
     ckpt.close()
-    if loader is not None:
-      loader.close()
-    if log is not None:
-      log.close()
-  stopped_by = signal.Signals(stopped).name if stopped else None
+    if loop is not None:
+      loop.close()
+  return _summary(run, s, loop)
+
+
+def _setup(run: RunConfig) -> Setup:
+  """The run's model spec, data and executor (`build`), checked against each other."""
+  allowed = config_lib.check_allowed(run.allow_changed)
+  tok = tokenizer_lib.load(run.tokenizer) if run.tokenizer is not None else None
+  spec = spec_lib.model_spec(run.architecture, run.init_from)
+  dataset = data_lib.open_data(run.data, eval_path=run.eval_data, seq_len=spec.seq_len, data_dtype=run.data_dtype,
+                               tokenizer=tok)  # reads no ids: cheap, and it says the vocabulary
+  spec = spec.with_vocab(dataset.vocab_size)
+  data_lib.check_vocab(dataset, spec.config.vocab_size)
+  ex = build(run.plan, run.num_nodes, steps=run.steps, accum_steps=run.accum_steps, pad_multiple=run.pad_multiple,
+             param_dtype=run.param_dtype, compute_dtype=run.compute_dtype, batch_size=run.batch_size,
+             model=run.model, spec=spec)
+  ex.check_batch((run.accum_steps, run.batch_size, spec.config.seq_len + 1))
+  if ex.remat_choice.get("rows"):  # chosen by compiling (GPUs): say what and why
+    _say(ex.remat_choice["why"])
+  settings = config_lib.run_settings(spec.settings(), steps=run.steps, batch_size=run.batch_size,
+                                     accum_steps=run.accum_steps, user_model=run.model,
+                                     data=data_lib.identity(dataset))
+  return Setup(spec, dataset, ex, settings, allowed)
+
+
+def _resume(run: RunConfig, s: Setup, ckpt) -> tuple[Copies | None, checkpoint_lib.Resumed | None]:
+  """This process's node copies (`_node_copies`), and what the run resumes from: the nodes' copies where
+  they are at least as new as the latest checkpoint, else a checkpoint (`checkpoint.resume`); None: none."""
+  check = lambda meta, where: config_lib.check_resume(meta.get("settings"), s.settings, meta["step"], where,
+                                                      s.allowed)
+  copies = _node_copies(s.ex, run.node_copy)
+  found = replica_lib.agree(run.node_copy.directory, run.node_copy.joining, run.seed) if copies else None
+  if found is not None and found[0] >= (ckpt.latest_step() or -1):
+    return copies, _from_copies(s.ex, copies, found, check)
+  return copies, checkpoint_lib.resume(s.ex, ckpt, run.restore_from, check=check, warn=_say,
+                                       start_over=run.start_over)
+
+
+def _start(run: RunConfig, s: Setup, resumed: checkpoint_lib.Resumed | None) -> Start:
+  """The resumed state (with its checkpoint's data seed), else `train.init_from`'s weights, else new
+  parameters from `train.seed`."""
+  if resumed is None:
+    if s.spec.init_from is not None:
+      state = s.ex.init_from_params(spec_lib.initial_params(s.spec))  # each device is sent its own shards
+      _say(f"initialised from {s.spec.init_from} ({s.spec.model_type}, {s.spec.describe()})")
+    else:
+      state = s.ex.init(jax.random.key(run.seed))
+    return Start(state, 0, run.seed, None, False)
+  # the data position is the step; the data order is the checkpoint's seed
+  step, seed = int(resumed.state.step), resumed.meta.get("seed", run.seed)
+  _say(f"restored step {step} from {resumed.directory}"
+       + (f" (data seed {seed}; train.seed={run.seed} applies to new runs only)" if seed != run.seed else ""))
+  if resumed.note:
+    _say(resumed.note)
+  return Start(resumed.state, step, seed, resumed.meta.get("first_loss"), True)
+
+
+def _summary(run: RunConfig, s: Setup, loop: Loop) -> dict:
+  """The run's summary, also in `summary.json` (with `loss.png`, by process 0); a stop by signal is said
+  first, and `train.export` writes the parameters."""
+  ex, plan, mesh, workdir, lead, log = s.ex, s.ex.plan, s.ex.mesh, run.workdir, loop.lead, loop.log
+  step, times, waits, rates = loop.step, loop.times, loop.waits, loop.rates
+  stopped_by = signal.Signals(loop.stopped).name if loop.stopped else None
   if stopped_by:
     _say(f"stopped by {stopped_by} after step {step}; "
-         + (f"saved a checkpoint of step {step}" if step > start_step else "nothing new to save")
+         + (f"saved a checkpoint of step {step}" if step > loop.start_step else "nothing new to save")
          + "; run the same command to resume")
-  if export:
-    export_lib.export_params(ex, state, os.path.join(workdir, "params.npz"))
+  if run.export:
+    export_lib.export_params(ex, loop.state, os.path.join(workdir, "params.npz"))
   median = float(np.median(times)) if times else None
-  summary = {"plan": label(plan), "plan_name": plan.name, "mesh": dict(mesh.shape), "nodes": nodes,
+  summary = {"plan": label(plan), "plan_name": plan.name, "mesh": dict(mesh.shape), "nodes": loop.nodes,
              "status": f"stopped by {stopped_by}" if stopped_by else "finished", "stopped_by": stopped_by,
-             "step": step, "steps": steps, "first_loss": _finite(first_loss), "final_loss": _finite(loss),
-             "final_eval_loss": _finite(eval_loss), "skipped_steps": int(jnp.sum(state.skipped)),
-             "median_step_time_s": median, "tokens_per_s": tokens_per_step / median if median else None,
+             "step": step, "steps": run.steps, "first_loss": _finite(loop.first_loss),
+             "final_loss": _finite(loop.loss), "final_eval_loss": _finite(loop.eval_loss),
+             "skipped_steps": int(jnp.sum(loop.state.skipped)),
+             "median_step_time_s": median, "tokens_per_s": loop.tokens_per_step / median if median else None,
              **({k: v for k, v in rates.of(median).items() if k != "tokens_per_s"} if median else {}),
-             "data": dataset.source, "vocab_size": vocab, "architecture": spec.architecture,
-             "init_from": spec.init_from,
+             "data": s.dataset.source, "vocab_size": s.spec.config.vocab_size, "architecture": s.spec.architecture,
+             "init_from": s.spec.init_from,
              "data_wait_s": float(np.median(waits)) if waits else None, "memory_bytes_per_device": memory_report(ex)["expected"],
              "plan_fields": {"name": plan.name, **{k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
                                                     for k, v in plan.settings().items()}}}
   if ex.planner_rows:
     summary["planner"] = ex.planner_rows
   summary["remat"] = ex.remat_choice
-  if compute_dtype is None:  # what the platform chose (an explicit setting wins)
+  if run.compute_dtype is None:  # what the platform chose (an explicit setting wins)
     summary["platform_defaults"] = {"compute_dtype": ex.plan.settings()["compute_dtype"],
                                     "platform": mesh.devices.flat[0].platform}
   if ex.prefetch_fallbacks():
@@ -457,10 +371,6 @@ def _from_copies(ex: Executor, copies: Copies, found, check) -> checkpoint_lib.R
   if last is not None and last > step:  # the steps since the last copy: at most one cadence
     note = "; ".join(filter(None, [note, f"steps {step + 1}..{last} are trained again (the copies are of step {step})"]))
   return checkpoint_lib.Resumed(state, {**meta, "seed": seed}, where, note)
-
-
-CONFIG_HEADER = """# The config this run used (gin's operative config: every parameter it read, defaults included).
-# Run it again with: python train.py --gin_file={workdir}/config.gin --workdir={workdir}"""
 
 
 def _read_summary(workdir: str) -> dict:
