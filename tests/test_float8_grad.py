@@ -109,8 +109,8 @@ def test_the_planner_ranks_float8_hops_beside_int8_and_labels_them():
   fp8 = space.Point(8, 8, 8, grad_format=FP8)
   assert fp8.name(8) == "zero3+qgzfp8" and fp8.quantized and not fp8.lossy
   plan = fp8.plan(2, 4)
-  assert plan.reduction.grad_format == FP8 and space.label(plan) == "mics(group=8)+qgZ(fp8)"
-  assert space.label(plans.zero3(grad_format=FP8)) == "zero3+qgZ(fp8)"
+  assert plan.reduction.grad_format == FP8 and plan.label() == "mics(group=8)+qgZ(fp8)"
+  assert plans.zero3(grad_format=FP8).label() == "zero3+qgZ(fp8)"
   work = Workload(units=((1 << 20, 4),), accum=1, param_bytes=2, opt_bytes_per_param=8, compute_s=0.1)
   prof = link_profile(2, 4, b_gpu=100e9, b_node=12.5e6, source="test")
   int8 = comm_time(space.Point(8, 8, 8, grad_bits=8), work, prof, 4)["T_g"]

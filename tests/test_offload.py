@@ -14,7 +14,6 @@ import zerojax.plan as plans
 from tests import helpers
 from zerojax.executor.memory import memory_report
 from zerojax.engine.offload import HOST, HostOffload, check_supported
-from zerojax.planner.space import label
 from zerojax.train.checkpoint import Checkpointer
 
 BOTH = ("opt_state", "master")
@@ -120,7 +119,7 @@ def test_offload_order_and_gin_spelling_are_one_setting():
   assert plans.zero3(offload=None).sharding.offload == ()
   p = plans.mics(offload=("opt_state",))
   assert plans.Plan(p.name, **p.settings()) == p
-  assert label(p).endswith("+offload(opt_state)")
+  assert p.label().endswith("+offload(opt_state)")
 
 
 def test_a_backend_without_host_memory_is_refused_in_one_line():

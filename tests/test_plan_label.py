@@ -1,5 +1,6 @@
-"""One label per plan (`zerojax.planner.space.label`): every shipped config gets its own, Radius is named,
-and the planner's stored ids are spelled from the same pieces. Plans only: nothing is built or compiled."""
+"""One label per plan (`zerojax.plan.Plan.label`, each value naming its part): every shipped config gets its
+own, Radius is named, and the planner's stored ids are spelled from the same pieces. Plans only: nothing is
+built or compiled."""
 import dataclasses
 import os
 
@@ -9,7 +10,7 @@ import pytest
 from zerojax.mesh import factor, make_mesh
 from zerojax.plan import Plan, amsp, diloco, dp, mics, radius, zero3, zeropp
 from zerojax.planner import auto
-from zerojax.planner.space import Point, label
+from zerojax.planner.space import Point
 from zerojax.train import config, trainer  # noqa: F401  (trainer registers the configurables)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,20 +42,20 @@ def on_mesh(plan):
 
 
 def test_every_shipped_config_has_its_own_label(config_plans):
-  labels = {name: label(plan) for name, plan in config_plans.items()}
+  labels = {name: plan.label() for name, plan in config_plans.items()}
   assert labels == CONFIGS, "a config was added or its label changed: list it in CONFIGS"
   assert len(set(labels.values())) == len(labels)
   assert labels["mics_radius"].startswith(labels["mics"] + "+radius(")  # Radius §4 is named, on MiCS
   plan = config_plans["diloco_mics"]
   overlapped = dataclasses.replace(plan, sync=dataclasses.replace(
       plan.sync, outer_sync=diloco(every=10, fragments=4, overlap=True)))
-  assert label(overlapped) == "mics(group=gpu)+diloco(H=10,F=4,overlap(mix=0.5))"
+  assert overlapped.label() == "mics(group=gpu)+diloco(H=10,F=4,overlap(mix=0.5))"
 
 
 def test_resolved_configs_keep_distinct_labels(config_plans):
   """What the trainer labels is the executor's plan, resolved on its mesh: a group of 8 on 2 x 4 devices is
   ZeRO-3's sharding, its hierarchical gather still tells it apart."""
-  labels = {n: label(on_mesh(p)) for n, p in config_plans.items() if n != "auto"}
+  labels = {n: on_mesh(p).label() for n, p in config_plans.items() if n != "auto"}
   assert len(set(labels.values())) == len(labels), labels
   assert labels["mics_2node"] == "zero3+hier" and labels["mics"] == "mics(group=gpu)"
   assert labels["mics_radius"] == CONFIGS["mics_radius"] and labels["zeropp"] == CONFIGS["zeropp"]
@@ -73,6 +74,8 @@ def test_resolved_configs_keep_distinct_labels(config_plans):
     (zeropp(grad_bits=(8, 4), rotate=True, grad_error_feedback=True, stochastic_rounding=True),
      "zero3+qwZ(int8,rot)+hpZ(gpu)+qgZ(int8/int4,rot,ef,sr)"),
     (zero3(weight_format="float8_e4m3fn"), "zero3+gather(float8_e4m3fn)"),
+    (zeropp(rotate=True, grad_bits=None, grad_format="float8_e4m3fn"),  # each value names its own rotation:
+     "zero3+qwZ(int8,rot)+hpZ(gpu)+qgZ(fp8)"),                          # float8 hops are not rotated
     (zero3(param_dtype="float32", weight_bits=8, quantize_backward_gather=False),
      "zero3+params(float32)+qwZ(int8,fwd-only)"),
     (zero3(reduce_dtype="bfloat16", reduce_via="reduce_scatter"), "zero3+grads(bfloat16,reduce_scatter)"),
@@ -81,7 +84,7 @@ def test_resolved_configs_keep_distinct_labels(config_plans):
     (auto(), "auto"),
 ])
 def test_label(plan, expect):
-  assert label(plan) == expect
+  assert plan.label() == expect
 
 
 @pytest.mark.parametrize("point,name,resolved", [  # ids as benchmarks/planner.json and the tests store them
@@ -103,4 +106,4 @@ def test_planner_ids_keep_their_stored_form(point, name, resolved):
   on a 2 x 4 mesh, names the same sharding and techniques."""
   assert point.name(8) == name
   if resolved:
-    assert label(on_mesh(point.plan(2, 4))) == resolved
+    assert on_mesh(point.plan(2, 4)).label() == resolved

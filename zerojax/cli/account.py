@@ -4,7 +4,7 @@ Compiles the train step of a gin config for abstract inputs (nothing runs) and p
 per plan, the bytes of the forward gather, backward gather and gradient reduction, inside the node and
 across nodes. `--json` prints every collective (op, dtype, shapes, replica groups, mesh axes, role,
 executions per step, bytes). `--hlo FILE --mesh 2x4` accounts for a dumped HLO text instead. The plan is
-named by `plan` (its name) and `label` (`zerojax.planner.space.label`: its sharding and techniques).
+named by `plan` (its name) and `label` (`Plan.label`: its sharding and techniques).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import jax
 from zerojax import mesh as mesh_lib
 from zerojax.analysis import (collectives_from_hlo, render_collectives, render_table, step_collectives,
                               step_hlo, step_report, summarize)
-from zerojax.planner.space import label
 
 
 def gin_train_args(gin_files: list[str], gin_params: list[str]) -> dict:
@@ -105,7 +104,7 @@ def main(argv=None) -> None:
     if args.dump_hlo:
       with open(args.dump_hlo, "w") as f:
         f.write(text)
-    name, tag = ex.plan.name, label(ex.plan)
+    name, tag = ex.plan.name, ex.plan.label()
     out = {"config": {"gin_files": args.gin_file, "gin_params": args.gin_param, "plan": name, "label": tag,
                       "phase": phase,
                       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "param_dtype": ex.plan.gather.param_dtype,

@@ -72,7 +72,7 @@ class WireFormat(abc.ABC):
   # -- derived ---------------------------------------------------------------------------------------
   @property
   def short(self) -> str:
-    """How a plan's label names it ("int8", "fp8"; `zerojax.planner.space.label`)."""
+    """How a plan's label names it ("int8", "fp8"; `Plan.label`)."""
     return self.name
 
   @property

@@ -39,6 +39,7 @@ from zerojax import gpu_aot, mesh as mesh_lib
 from zerojax.mesh import AXES
 from zerojax.plan.radius import Radius, radius  # noqa: F401  (re-exported: gin registers `zerojax.plan.radius`)
 from zerojax.plan.diloco import Diloco, diloco  # noqa: F401  (re-exported: gin registers `zerojax.plan.diloco`)
+from zerojax.plan.names import Name
 from zerojax.plan.values import Gather, Reduction, ReplicaSync, Schedule, Sharding
 
 VALUES = {"sharding": Sharding, "gather": Gather, "reduction": Reduction, "sync": ReplicaSync,
@@ -97,6 +98,24 @@ class Plan:
     """Every setting by its field name: `Plan(name, **plan.settings())` is the same plan (the shared
     settings are one value each: `_check_across`)."""
     return _fields_of({v: getattr(self, v) for v in VALUES})
+
+  def label(self) -> str:
+    """The plan's one label, the name the trainer's log and summary and the CLI show: its sharding
+    (`Sharding.stage`), then each technique its values name (`labels()`), joined by "+".
+
+    E.g. "dp", "zero3", "mics(group=8)+hier", "zero3+qwZ(int8)+hpZ(gpu)+qgZ(int4)",
+    "mics(group=gpu)+radius(d=0.4,T=20,dense=40)". A resolved plan (`Plan.resolve`, what an executor
+    holds) names its groups by the mesh's axes ("mics(group=gpu.2)"). Settings that change neither the
+    sums nor the wire are left out: `compute_dtype` (a local cast), `remat`, `prefetch`,
+    `sync_in_backward`, `qgz_stages`, `kernel_backend` and `pad_multiple` (the same numbers, to float
+    reassociation).
+    """
+    return "+".join(n.label for n in [self.sharding.stage(), *self.techniques()])
+
+  def techniques(self) -> list[Name]:
+    """The techniques' parts of the label (and of the planner's ids, `Point.suffix`), in this order: the
+    gather's, the reduction's, the host offload, the replica sync's."""
+    return [*self.gather.labels(), *self.reduction.labels(), *self.sharding.labels(), *self.sync.labels()]
 
   def _check_across(self) -> None:
     """The rules between values: each quantization needs the collective it quantizes, hpZ's group lies

@@ -13,6 +13,8 @@ from typing import Any
 
 import optax
 
+from zerojax.plan.names import Name
+
 BLOCK = 256  # elements per quantization block of a quantized outer gradient
 
 
@@ -83,6 +85,18 @@ class Diloco:
     if not 0 <= self.mix < 1:
       raise ValueError(f"diloco mix={self.mix!r} must be in [0, 1) (Streaming DiLoCo uses 0.5; 1 would never "
                        "take the outer parameters)")
+
+  def label(self) -> Name:
+    """Its part of the plan's label: "diloco(H=50)", then the fragments, the outer gradient's bits, the outer
+    optimizer's settings where they are not DiLoCo's (lr 0.7, momentum 0.9, Nesterov) and Streaming DiLoCo's
+    overlap with its α, e.g. "diloco(H=10,F=4,int4,lr=1.0,m=0.0,overlap(mix=0.5))"."""
+    frags = f",F={self.fragments}" if self.fragments > 1 else ""
+    bits = f",int{self.bits}" if self.bits else ""
+    default = Diloco()
+    opt = "".join(f",{k}={getattr(self, f)}" for k, f in (("lr", "lr"), ("m", "momentum"), ("nesterov", "nesterov"))
+                  if getattr(self, f) != getattr(default, f))
+    opt += f",overlap(mix={self.mix:g})" if self.overlap else ""
+    return Name(f"diloco(H={self.every}{frags}{bits}{opt})", "diloco")
 
   def optimizer(self) -> optax.GradientTransformation:
     """The outer optimizer: `outer_optimizer`, or DiLoCo's SGD with (Nesterov) momentum."""

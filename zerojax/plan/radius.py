@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from zerojax.plan.names import Name
+
 
 @dataclasses.dataclass(frozen=True)
 class Radius:
@@ -41,6 +43,11 @@ class Radius:
       raise ValueError(f"radius period={self.period} must be a whole number of steps >= 1 (the paper uses 200)")
     if int(self.dense_steps) != self.dense_steps or self.dense_steps < 0:
       raise ValueError(f"radius dense_steps={self.dense_steps} must be a whole number of steps >= 0")
+
+  def label(self) -> Name:
+    """Its part of the plan's label: "radius(d=0.4,T=200)", with ",dense=N" after dense steps."""
+    dense = f",dense={self.dense_steps}" if self.dense_steps else ""
+    return Name(f"radius(d={self.density:g},T={self.period}{dense})", "radius")
 
   def shard_k(self, chunk: int) -> int:
     """Selected elements of a shard of `chunk` elements: ⌈density · chunk⌉ (at least 1)."""

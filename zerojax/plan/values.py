@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from zerojax.comm import formats
 from zerojax.mesh import AXES
-from zerojax.plan import checks
+from zerojax.plan import checks, names
 from zerojax.plan.checks import Axes
 from zerojax.plan.diloco import Diloco
 from zerojax.plan.radius import Radius
@@ -100,6 +100,14 @@ class Sharding:
     """Axes the optimizer states are replicated over: gradients are all-reduced over them."""
     return tuple(a for a in mesh.axis_names if a not in self.opt_axes)
 
+  def stage(self, every=AXES) -> names.Name:
+    """The label's first part: "zero3", "mics(group=gpu)", "amsp(p=2,g=4,os=8)" (`names.degrees`)."""
+    return names.degrees(self.param_axes, self.grad_axes, self.opt_axes, every)
+
+  def labels(self) -> list[names.Name]:
+    """Its technique in the label: "offload(opt_state,master)" (`zerojax.plan.names` lists every part)."""
+    return [names.part("offload", list(self.offload), "offload")] if self.offload else []
+
 
 @dataclasses.dataclass(frozen=True)
 class Gather:
@@ -173,6 +181,17 @@ class Gather:
   def alignment(self) -> int:
     """Elements a device's shard is a multiple of: qwZ's blocks never cross an owner chunk."""
     return self.wire_format.alignment if self.quantized else 2
+
+  def labels(self) -> list[names.Name]:
+    """Its techniques in the label: params(...), hier, qwZ(...), gather(...), hpZ(...) (`zerojax.plan.names`)."""
+    dtype, fmt, block = self.param_dtype, self.wire_format, names.block(self.weight_block)
+    fwd = ["fwd-only"] if not self.quantize_backward_gather and not self.secondary_axes else []
+    return names.present(
+        dtype != "bfloat16" and names.part("params", [dtype], names.short_dtype(dtype) + "params"),
+        self.hierarchical and names.Name("hier", "hier"),
+        self.weight_bits and names.part("qwZ", [fmt.short, *block, *["rot"] * self.rotate, *fwd], f"qwz{fmt.token}"),
+        self.weight_format and names.part("gather", [self.weight_format, *block, *fwd], "fp8"),
+        self.secondary_axes and names.part("hpZ", [names.group(self.secondary_axes)], "hpz"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +304,18 @@ class Reduction:
     """Elements a device's shard is a multiple of: qgZ's blocks never cross a pipeline stage."""
     return self.hop_formats[0].alignment * self.qgz_stages if self.quantized else 2
 
+  def labels(self) -> list[names.Name]:
+    """Its techniques in the label: qgZ(...), grads(...) (`zerojax.plan.names`)."""
+    hops, dtype, via = list(dict.fromkeys(self.hop_formats or ())), self.reduce_dtype, self.reduce_via  # distinct hops
+    flags = [n for n, on in (("rot", self.rotate), ("ef", self.grad_error_feedback), ("sr", self.stochastic_rounding))
+             if on]
+    moved = via != "auto" and (via == "all_to_all") != Reduction(reduce_dtype=dtype).gradient_all_to_all
+    return names.present(
+        hops and names.part("qgZ", ["/".join(h.short for h in hops), *names.block(self.grad_block), *flags],
+                            "qgz" + "-".join(h.token for h in hops)),
+        (dtype != "float32" or moved) and names.part("grads", [dtype, *[via] * moved],
+                                                     names.short_dtype(dtype) + "grad" + f"-{via}" * moved))
+
 
 @dataclasses.dataclass(frozen=True)
 class ReplicaSync:
@@ -327,6 +358,10 @@ class ReplicaSync:
     """Whether the replicas train apart between syncs (DiLoCo's outer sync, Algorithm 1): each keeps its
     own master weights and optimizer states, and no step reduces over them."""
     return self.outer_sync is not None
+
+  def labels(self) -> list[names.Name]:
+    """Its techniques in the label: diloco(...) (`Diloco.label`), radius(...) (`Radius.label`)."""
+    return [v.label() for v in (self.outer_sync, self.replica_sync) if v is not None]
 
 
 @dataclasses.dataclass(frozen=True)

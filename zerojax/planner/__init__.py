@@ -2,7 +2,7 @@
 
 | module    | holds                                                                 |
 |-----------|-----------------------------------------------------------------------|
-| `space`   | the plan space: shard degrees s_p ≤ s_g ≤ s_os, nested, s_g ∈ {s_p, s_os}, and the techniques on them; every plan's one `label` |
+| `space`   | the plan space: shard degrees s_p ≤ s_g ≤ s_os, nested, s_g ∈ {s_p, s_os}, and the techniques on them |
 | `profile` | the collective profiler (`python -m zerojax.planner.profile`) and α-β fits |
 | `cost`    | T_p + T_g + T_os^0 + T_os^1, the step (overlap none/full), the memory model |
 | `compute` | each plan's compute: uniform, fitted on anchor plans, or measured     |
@@ -16,7 +16,7 @@ References:
 """
 from zerojax.planner.cost import Workload, comm_time, model_state_bytes
 from zerojax.planner.solve import Auto, PlanError, auto, choose, load_profile, rank, render, workload
-from zerojax.planner.space import Point, degrees, label, named, plan_space
+from zerojax.planner.space import Point, degrees, named, plan_space
 
 __all__ = ["Workload", "comm_time", "model_state_bytes", "Auto", "PlanError", "auto", "choose", "load_profile",
-           "rank", "render", "workload", "Point", "degrees", "label", "named", "plan_space"]
+           "rank", "render", "workload", "Point", "degrees", "named", "plan_space"]

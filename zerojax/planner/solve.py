@@ -226,6 +226,10 @@ class Auto:
     if not isinstance(self.trial_steps, int) or self.trial_steps < 1:
       raise ValueError(f"auto.trial_steps = {self.trial_steps!r}: use a count >= 1")
 
+  def label(self) -> str:
+    """Its name ("auto") until the planner picks the plan, whose own label (`Plan.label`) the run then shows."""
+    return self.name
+
   def load(self, mesh, log=print) -> dict | None:
     """The profile file, or a profile measured now (written to `self.profile` when that is set). Whether
     the file exists is process 0's answer; the profile itself is needed (and returned) on process 0 only

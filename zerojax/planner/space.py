@@ -36,11 +36,12 @@ cost model (`planner.cost`) reads it from the plan value that owns the setting (
 `point.sync.replica_sync`), and the ranked rows spell it as a column (`hpz=True`, `weight_bits=8`;
 `COLUMNS`), as `Point(...)` also takes it. Adding a technique to the space is one entry in `TECHNIQUES`.
 
-A plan has one label (`label`, the name the trainer's log and summary and the CLI show): its sharding,
-then each technique that changes what is computed or what goes on the wire, e.g.
-"zero3+qwZ(int8)+hpZ(gpu)+qgZ(int4)" or "mics(group=gpu)+radius(d=0.4,T=20,dense=40)". The planner's
-ids (`Point.name`, "mics-4+qwz8") are spelled from the same pieces (`sharding_names`, `technique_names`),
-short, since ranked rows, `benchmarks/planner.json` and the tests store them.
+A plan has one label (`Plan.label`, the name the trainer's log and summary and the CLI show), each plan
+value naming its own part (`zerojax.plan.names`): its sharding, then each technique that changes what is
+computed or what goes on the wire, e.g. "zero3+qwZ(int8)+hpZ(gpu)+qgZ(int4)" or
+"mics(group=gpu)+radius(d=0.4,T=20,dense=40)". The planner's ids (`Point.name`, "mics-4+qwz8") are
+spelled from the same parts (`names.degrees`, `Plan.techniques`), short, since ranked rows,
+`benchmarks/planner.json` and the tests store them.
 
 References:
   AMSP: Chen et al. 2023, §IV-B (dependency rule), §V-B (Eqs. 3–7, pre-filter and brute-force search).
@@ -57,131 +58,12 @@ import itertools
 from collections.abc import Callable
 
 from zerojax import mesh as mesh_lib
-from zerojax.comm import formats
-from zerojax.mesh import AXES
-from zerojax.plan import Diloco, Plan, diloco, radius
+from zerojax.plan import Plan, diloco, names, radius
 from zerojax.plan.values import Gather, Reduction, ReplicaSync, Sharding
 
-BLOCK = 256  # elements per qwZ/qgZ quantization block (the Plan defaults)
+BLOCK = names.BLOCK  # elements per qwZ/qgZ quantization block (the Plan defaults)
 OFFLOAD = ("opt_state", "master")  # what a point with `offload` keeps in host memory (`Sharding.offload`)
 DEFAULTS = Plan().settings()  # a point's plan settings besides its own fields (`Point.suffix`)
-# ZeRO's stages (ZeRO §5), by whether params, grads and optimizer states are each sharded over every
-# device (True) or over none (False).
-STAGES = {(False, False, False): "dp", (False, False, True): "zero1", (False, True, True): "zero2",
-          (True, True, True): "zero3"}
-SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-
-def label(plan) -> str:
-  """The plan's one label: its sharding (`sharding_names`), then its techniques (`technique_names`),
-  joined by "+".
-
-  E.g. "dp", "zero3", "mics(group=8)+hier", "zero3+qwZ(int8)+hpZ(gpu)+qgZ(int4)",
-  "mics(group=gpu)+radius(d=0.4,T=20,dense=40)". A resolved plan (`Plan.resolve`, what an executor
-  holds) names its groups by the mesh's axes ("mics(group=gpu.2)"). Settings that change neither the
-  sums nor the wire are left out: `compute_dtype` (a local cast), `remat`, `prefetch`,
-  `sync_in_backward`, `qgz_stages`, `kernel_backend` and `pad_multiple` (the same numbers, to float
-  reassociation). `auto()` is "auto" until the planner picks a plan.
-  """
-  if not hasattr(plan, "settings"):  # auto(): the planner names the plan it picks when the run starts
-    return getattr(plan, "name", "auto")
-  f = plan.settings()
-  base, _ = sharding_names(f["param_axes"], f["grad_axes"], f["opt_axes"], AXES)
-  return "+".join([base] + [name for name, _ in technique_names(f)])
-
-
-def _group(degree) -> str:
-  """A shard degree as a name spells it: a group size, or its mesh axes ("node*gpu"); 1 for none."""
-  return str(degree) if isinstance(degree, int) else "*".join(degree) or "1"
-
-
-def sharding_names(p, g, os_, every) -> tuple[str, str]:
-  """(label, planner id) of the shard degrees A_p, A_g, A_os: a ZeRO stage (ZeRO §5), a MiCS group
-  (MiCS §3.1: p = g = os), AMSP's degrees (AMSP §IV) or a sharding over named axes ("shard(...)"). A
-  degree is a group size or axes; `every` is all devices (a point's world size, or the plan's `AXES`)."""
-  def kind(d):  # True: every device; False: none; None: a group
-    if d == every or (not isinstance(d, int) and not isinstance(every, int) and set(d) == set(every)):
-      return True
-    return False if d in ((), 1) else None
-  stage = STAGES.get(tuple(kind(d) for d in (p, g, os_)))
-  if stage:
-    return stage, stage
-  sp, sg, so = (_group(d) for d in (p, g, os_))
-  if p == g == os_:
-    return f"mics(group={sp})", f"mics-{sp}"
-  what = "amsp" if any(isinstance(d, int) for d in (p, g, os_)) else "shard"
-  return f"{what}(p={sp},g={sg},os={so})", f"amsp-p{sp}-g{sg}-os{so}"
-
-
-def _block(block: int) -> list[str]:
-  return [] if block == BLOCK else ["per-shard"] if block == 0 else [f"block={block}"]
-
-
-def technique_names(f: dict) -> list[tuple[str, str]]:
-  """(label, planner id) of each technique of the plan settings `f` (`Plan.settings()`), in this order:
-
-    params(float32)      `param_dtype` other than bfloat16 (the gathers' wire dtype)
-    hier                 MiCS §3.3's hierarchical gather (`hierarchical=True`; None is decided on the mesh)
-    qwZ(int8,...)        ZeRO++ §3.1's quantized gather: bits, "per-shard" (or "block=N" other than 256),
-                         "rot" (SDP4Bit §3.2), "fwd-only" (`quantize_backward_gather=False`, without hpZ)
-    gather(float8_e4m3fn,...)  the float8 gather (FP8-LM §2.1), with qwZ's block and "fwd-only"
-    hpZ(gpu)             ZeRO++ §3.2's secondary shard, over these axes (or a group size)
-    qgZ(int8/int4,...)   ZeRO++ §3.3's quantized reduction: each hop's wire format (int8, int4, fp8), the
-                         block, "rot", "ef" (LoCo §3's error feedback), "sr" (stochastic rounding)
-    grads(bfloat16,...)  `reduce_dtype` other than float32, and `reduce_via` where it overrides "auto"
-    offload(opt_state,master)  the fields kept in host memory (ZeRO-Offload §4; `Sharding.offload`)
-    diloco(H=,F=,int4,lr=,m=,overlap(mix=))  DiLoCo's outer sync across nodes: every, fragments,
-                         outer-gradient bits, the outer optimizer where it is not DiLoCo's (lr 0.7, momentum
-                         0.9, Nesterov), Streaming DiLoCo's overlap with the next inner step and its α
-    radius(d=,T=,dense=)  Radius §4's (Algorithm 1) sparse replica sync: density, period, dense steps
-  """
-  out = []
-  if f["param_dtype"] != "bfloat16":
-    out.append((f"params({f['param_dtype']})", SHORT_DTYPES.get(f["param_dtype"], f["param_dtype"]) + "params"))
-  if f["hierarchical"]:
-    out.append(("hier", "hier"))
-  fwd_only = ["fwd-only"] if not f["quantize_backward_gather"] and not f["secondary_axes"] else []
-  if f["weight_bits"]:
-    fmt = formats.integer(f["weight_bits"], f["weight_block"])
-    parts = [fmt.short] + _block(f["weight_block"]) + ["rot"] * bool(f["rotate"]) + fwd_only
-    out.append((f"qwZ({','.join(parts)})", f"qwz{fmt.token}"))
-  if f["weight_format"]:
-    out.append((f"gather({','.join([f['weight_format']] + _block(f['weight_block']) + fwd_only)})", "fp8"))
-  if f["secondary_axes"]:
-    out.append((f"hpZ({_group(f['secondary_axes'])})", "hpz"))
-  hops = hop_formats(f)
-  if hops:
-    extra = [n for k, n in (("rotate", "rot"), ("grad_error_feedback", "ef"), ("stochastic_rounding", "sr")) if f[k]]
-    parts = ["/".join(h.short for h in hops)] + _block(f["grad_block"]) + extra
-    out.append((f"qgZ({','.join(parts)})", "qgz" + "-".join(h.token for h in hops)))
-  dtype, via = f["reduce_dtype"], f["reduce_via"]
-  moved = via != "auto" and (via == "all_to_all") != Reduction(reduce_dtype=dtype).gradient_all_to_all
-  if dtype != "float32" or moved:
-    out.append((f"grads({','.join([dtype] + [via] * moved)})",
-                SHORT_DTYPES.get(dtype, dtype) + "grad" + f"-{via}" * moved))
-  if f["offload"]:
-    out.append((f"offload({','.join(f['offload'])})", "offload"))
-  d = f["outer_sync"]
-  if d is not None:
-    bits = f",int{d.bits}" if d.bits else ""
-    frags = f",F={d.fragments}" if d.fragments > 1 else ""
-    default = Diloco()
-    opt = "".join(f",{k}={getattr(d, f)}" for k, f in (("lr", "lr"), ("m", "momentum"), ("nesterov", "nesterov"))
-                  if getattr(d, f) != getattr(default, f))
-    opt += f",overlap(mix={d.mix:g})" if d.overlap else ""
-    out.append((f"diloco(H={d.every}{frags}{bits}{opt})", "diloco"))
-  r = f["replica_sync"]
-  if r is not None:
-    dense = f",dense={r.dense_steps}" if r.dense_steps else ""
-    out.append((f"radius(d={r.density:g},T={r.period}{dense})", "radius"))
-  return out
-
-
-def hop_formats(f: dict) -> list[formats.WireFormat]:
-  """qgZ's distinct wire formats of the plan settings `f`, intra-node hop first (`formats.hops`)."""
-  return list(dict.fromkeys(formats.hops(f["grad_bits"], f.get("grad_format"), f["grad_block"]) or ()))
-
-
 def degrees(nodes: int, gpus: int) -> list[int]:
   """Valid shard degrees of a nodes x gpus cluster: divisors of a node's devices, then whole nodes."""
   inside = [d for d in range(1, gpus + 1) if gpus % d == 0]
@@ -344,19 +226,19 @@ class Point:
     return tuple((i, s // i) for i, s in zip(intra, (self.s_p, self.s_g, self.s_os)))
 
   def name(self, world: int) -> str:
-    """The planner's id of the point ("mics-4+qwz8"), from the pieces of `label` (`sharding_names`,
-    `technique_names`) but short: ranked rows, `benchmarks/planner.json` and the tests store it.
-    On a mesh its label is `label(point.plan(nodes, gpus).resolve(mesh))` (e.g. "zero3+hier+qwZ(int8)")."""
+    """The planner's id of the point ("mics-4+qwz8"), from the pieces of the plan's label (`names.degrees`,
+    `Plan.techniques`) but short: ranked rows, `benchmarks/planner.json` and the tests store it.
+    On a mesh its label is `point.plan(nodes, gpus).resolve(mesh).label()` (e.g. "zero3+hier+qwZ(int8)")."""
     if self.intra is not None:
       (p0, p1), (g0, g1), (o0, o1) = self.meshes(gpus=0)  # gpus unused: intra is given
       return f"amsp-p{p0}x{p1}-g{g0}x{g1}-os{o0}x{o1}" + self.suffix()
     if self.s_p == self.s_g == self.s_os == world and self.settings == ZEROPP.settings:
       return "zeropp"  # ZeRO++ as published (`zerojax.plan.zeropp`, configs/zeropp.gin)
-    return sharding_names(self.s_p, self.s_g, self.s_os, world)[1] + self.suffix()
+    return names.degrees(self.s_p, self.s_g, self.s_os, world).short + self.suffix()
 
   def suffix(self) -> str:
     """The techniques' part of the id, e.g. "+hier+qwz8+hpz+qgz8-4+radius"."""
-    return "".join(f"+{short}" for _, short in technique_names({**DEFAULTS, **dict(self.settings)}))
+    return "".join(f"+{n.short}" for n in _values(self.settings).techniques())
 
   def plan(self, nodes: int, gpus: int, **fields) -> Plan:
     """The executor's plan for this point (groups named by size; the executor factors the mesh)."""

@@ -18,7 +18,6 @@ from tqdm import tqdm
 from zerojax.executor import Executor
 from zerojax.executor.memory import memory_report
 from zerojax.plan import Plan
-from zerojax.planner.space import label
 from zerojax.train import config as config_lib, data as data_lib, model_spec as spec_lib, replica as replica_lib
 from zerojax.train import report, run_metrics
 from zerojax.train.model_spec import ModelSpec
@@ -139,12 +138,12 @@ class Loop:
       os.makedirs(run.workdir, exist_ok=True)
       config_lib.write(os.path.join(run.workdir, "config.gin"), CONFIG_HEADER.format(workdir=run.workdir))
       spec_lib.write(run.workdir, spec, run.tokenizer)
-      about = run.wandb_project and {**config_lib.gin_settings(), **self.s.settings, "plan": label(ex.plan),
+      about = run.wandb_project and {**config_lib.gin_settings(), **self.s.settings, "plan": ex.plan.label(),
                                      "mesh": dict(ex.mesh.shape)}
       self.log = report.RunLog(run.workdir, self.start_step, run.wandb_project, run.wandb_entity, config=about)
       if self.first_loss is None and self.resumed:
         self.first_loss = self.log.first_loss()
-    say(f"plan={label(ex.plan)} mesh={dict(ex.mesh.shape)} data={dataset.source}")
+    say(f"plan={ex.plan.label()} mesh={dict(ex.mesh.shape)} data={dataset.source}")
     say(f"model-state bytes per device {json.dumps(memory_report(ex)['expected'])}")
     self.bar = tqdm(total=run.steps, initial=self.start_step, disable=not (self.lead and run.progress),
                     dynamic_ncols=True)

@@ -4,7 +4,7 @@ with `train.wandb_project` a W&B run.
 Only process 0 writes. After a resume `metrics.jsonl` is cut back to the restored step, so that every
 step appears once, and the TensorBoard writer purges the events past it; the W&B run is the same one
 (its id is kept in the workdir, `WANDB_ID`), continued. The plan is named by its one label,
-`zerojax.planner.space.label`.
+`zerojax.plan.Plan.label`.
 """
 from __future__ import annotations
 

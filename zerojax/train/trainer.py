@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.planner.space import label
 from zerojax.executor import Executor
 from zerojax.executor.memory import memory_report
 from zerojax.mesh import make_mesh, process_nodes
@@ -300,7 +299,7 @@ def _summary(run: RunConfig, s: Setup, loop: Loop) -> dict:
   if run.export:
     export_lib.export_params(ex, loop.state, os.path.join(workdir, "params.npz"))
   median = float(np.median(times)) if times else None
-  summary = {"plan": label(plan), "plan_name": plan.name, "mesh": dict(mesh.shape), "nodes": loop.nodes,
+  summary = {"plan": plan.label(), "plan_name": plan.name, "mesh": dict(mesh.shape), "nodes": loop.nodes,
              "status": f"stopped by {stopped_by}" if stopped_by else "finished", "stopped_by": stopped_by,
              "step": step, "steps": run.steps, "first_loss": _finite(loop.first_loss),
              "final_loss": _finite(loop.loss), "final_eval_loss": _finite(loop.eval_loss),
@@ -345,14 +344,14 @@ def _node_copies(ex: Executor, node_copy) -> Copies | None:
   why = None if own == {node} and ex.mesh.devices.shape[0] == jax.process_count() else (
       "node copies need one process per node")
   across = node_parts.sharded_across_nodes(ex)
-  replica_lib.write_run(node_copy.directory, plan=label(ex.plan), nodes=int(ex.mesh.shape["node"]),
+  replica_lib.write_run(node_copy.directory, plan=ex.plan.label(), nodes=int(ex.mesh.shape["node"]),
                         survives=why is None, why=why, neighbour_parts=across is not None)
   if why is not None:
-    _say(f"plan {label(ex.plan)} keeps no node copies ({why}): a lost node stops the run, which resumes from "
+    _say(f"plan {ex.plan.label()} keeps no node copies ({why}): a lost node stops the run, which resumes from "
          "its last checkpoint")
     return None
   if across is not None:
-    _say(f"plan {label(ex.plan)} shards the train state across nodes ({across}): each node's copy also keeps "
+    _say(f"plan {ex.plan.label()} shards the train state across nodes ({across}): each node's copy also keeps "
          "the next node's part")
   return Copies(node_copy.directory, node, node_copy.event)
 
