@@ -4,6 +4,7 @@ the configs whose golden values also cover the prefetch call order (`PREFETCH`).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import pathlib
 
 import gin
@@ -23,6 +24,20 @@ OVERRIDES = (
     f"auto.profile = '{GOLDEN / 'profile_2x4.json'}'",  # a fixed 2 x 4 link profile: a fixed choice
     "auto.trials = 0",  # trials time plans on this machine: the choice would follow its load
 )
+
+
+def plans() -> dict:
+  """`{config: the plan value train.py's gin builds for it}` of every shipped config (`auto`'s is `Auto`),
+  each parsed alone as `train.py` parses it; gin is cleared after."""
+  from zerojax.train import config as config_lib
+  importlib.import_module("zerojax.train.trainer")  # registers the configurables train.py's configs bind
+  out = {}
+  for name in CONFIGS:
+    gin.clear_config()
+    config_lib.parse([str(ROOT / "configs" / f"{name}.gin")], [])
+    out[name] = gin.get_bindings("train")["plan"]
+  gin.clear_config()
+  return out
 
 
 def build(config: str, prefetch: bool = False):

@@ -2,18 +2,15 @@
 own, Radius is named, and the planner's stored ids are spelled from the same pieces. Plans only: nothing is
 built or compiled."""
 import dataclasses
-import os
 
-import gin
 import pytest
 
+from tests import golden_configs
 from zerojax.mesh import factor, make_mesh
 from zerojax.plan import Plan, amsp, diloco, dp, mics, radius, zero3, zeropp
 from zerojax.planner import auto
 from zerojax.planner.space import Point
-from zerojax.train import config, trainer  # noqa: F401  (trainer registers the configurables)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {  # every config in configs/ (base.gin aside) and its label, as gin builds its plan
     "auto": "auto", "dp": "dp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
     "zero3_bf16grad": "zero3+grads(bfloat16)", "qwz": "zero3+qwZ(int8)", "hpz": "zero3+hpZ(gpu)",
@@ -26,14 +23,7 @@ CONFIGS = {  # every config in configs/ (base.gin aside) and its label, as gin b
 
 @pytest.fixture(scope="module")
 def config_plans():
-  plans = {}
-  for f in sorted(os.listdir(os.path.join(ROOT, "configs"))):
-    if f.endswith(".gin") and f != "base.gin":
-      gin.clear_config()
-      config.parse([os.path.join(ROOT, "configs", f)], [])
-      plans[f[:-4]] = gin.get_bindings("train")["plan"]
-  gin.clear_config()
-  return plans
+  return golden_configs.plans()
 
 
 def on_mesh(plan):

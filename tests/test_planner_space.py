@@ -8,25 +8,8 @@ import pytest
 import zerojax
 from zerojax import mesh as mesh_lib, planner
 from zerojax import plan as plans
-from zerojax.planner import cost, links
-from tests import helpers
-
-# The plans of `configs/*.gin`, as their constructors build them.
-NAMED = {
-    "dp": lambda n, g: plans.dp(), "zero1": lambda n, g: plans.zero1(), "zero2": lambda n, g: plans.zero2(),
-    "zero3": lambda n, g: plans.zero3(), "zero3_bf16grad": lambda n, g: plans.zero3(reduce_dtype="bfloat16"),
-    "zeropp": lambda n, g: plans.zeropp(),
-    "zeropp_int4": lambda n, g: plans.zeropp(weight_bits=4, grad_bits=(8, 4)),
-    "qwz": lambda n, g: plans.zeropp(secondary_axes=None, grad_bits=None),
-    "hpz": lambda n, g: plans.zeropp(weight_bits=None, grad_bits=None),
-    "qgz": lambda n, g: plans.zeropp(weight_bits=None, secondary_axes=None),
-    "mics": lambda n, g: plans.mics(), "mics_qwz": lambda n, g: plans.mics(weight_bits=8),
-    "mics_radius": lambda n, g: plans.mics(replica_sync=plans.radius()),
-    "mics_2node": lambda n, g: plans.mics(2 * g, hierarchical=True),
-    "mics_hpz": lambda n, g: plans.mics(2 * g, hierarchical=True, secondary_axes=("gpu",)),
-    "mics_qgz": lambda n, g: plans.mics(2 * g, hierarchical=True, grad_bits=8),
-}
-
+from zerojax.planner import cost, links, trial
+from tests import golden_configs, helpers
 
 def same_plan(a: plans.Plan, b: plans.Plan, mesh) -> bool:
   """Whether two plans shard and communicate alike on `mesh` (names and schedule options aside)."""
@@ -38,20 +21,41 @@ def same_plan(a: plans.Plan, b: plans.Plan, mesh) -> bool:
   return sets(ra) == sets(rb) and fields(ra) == fields(rb)
 
 
+@pytest.fixture(scope="module")
+def config_plans():
+  """The plan of every shipped config (`configs/*.gin`, as train.py's gin builds it), auto's aside."""
+  return {n: p for n, p in golden_configs.plans().items() if n != "auto"}
+
+
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_space_contains_every_named_plan(shape):
+def test_space_contains_every_named_plan(shape, config_plans):
+  """Every shipped config's plan is a point of the space (`Point.of`) that runs as the config does."""
   nodes, gpus = shape
   mesh = zerojax.make_mesh(nodes, gpus)
-  named = planner.named(nodes, gpus)
-  assert set(named) == set(NAMED)
+  named = {name: planner.Point.of(p, nodes, gpus) for name, p in config_plans.items()}
   safe, lossy = (set(planner.plan_space(nodes, gpus, techniques=True, lossy=x)) for x in (False, True))
   for name, pt in named.items():
     assert pt in lossy, name
-    assert (pt in safe) == (not pt.lossy), name  # int4 weights and Radius only with lossy
-    assert same_plan(pt.plan(nodes, gpus), NAMED[name](nodes, gpus), mesh), name
+    assert (pt in safe) == (not pt.lossy), name  # int4 weights, Radius and DiLoCo only with lossy
+    assert same_plan(pt.plan(nodes, gpus), config_plans[name], mesh), name
   assert named["zeropp"].name(nodes * gpus) == "zeropp" and named["zero3"].name(nodes * gpus) == "zero3"
   assert named["mics"].name(nodes * gpus) == f"mics-{gpus}"
+  assert named["mics_radius"].lossy and named["diloco_mics"].lossy and named["zeropp_int4"].lossy
   assert not same_plan(named["zeropp"].plan(nodes, gpus), plans.zero3(), mesh)  # the comparison can fail
+  # auto's trials run ZeRO-3, ZeRO++ and MiCS from their constructors: the configs' points
+  assert trial.baselines(nodes, gpus) == [named[n] for n in trial.BASELINES]
+
+
+def test_a_plan_the_cluster_cannot_run_has_no_point(config_plans):
+  """The points of one node: hpZ and per-hop bits run as the space spells them there; a group of two nodes
+  or DiLoCo across one node is refused."""
+  assert planner.Point.of(config_plans["zeropp"], 1, 8) == planner.Point(8, 8, 8, weight_bits=8, grad_bits=4)
+  assert planner.Point.of(config_plans["zeropp_int4"], 1, 8) == planner.Point(8, 8, 8, weight_bits=4, grad_bits=8)
+  assert planner.Point.of(config_plans["hpz"], 1, 8) == planner.Point(8, 8, 8)
+  with pytest.raises(ValueError, match="param_axes=8 is not a valid group of the 1 x 4 mesh"):
+    planner.Point.of(config_plans["mics_2node"], 1, 4)
+  with pytest.raises(ValueError, match="diloco=True does not apply"):
+    planner.Point.of(config_plans["diloco_mics"], 1, 8)
 
 
 @pytest.mark.slow
@@ -92,7 +96,7 @@ def test_zeropp_wins_where_inter_node_links_are_slow():
 
 def test_quantization_compute_is_charged():
   """qwZ/qgZ's kernels cost time (`Workload.quant_s_per_element`): expensive enough, ZeRO++ loses."""
-  zpp = planner.named(2, 4)["zeropp"]
+  zpp = planner.Point.of(plans.zeropp(), 2, 4)
   assert cost.quant_elements(zpp, WORK, 4) > 0 and cost.quant_elements(zpp.base, WORK, 4) == 0
   slow_kernels = dataclasses.replace(WORK, quant_s_per_element=1e-7)
   rows = planner.rank(2, 4, slow_kernels, slow_links(), techniques=True)

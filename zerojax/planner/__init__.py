@@ -16,7 +16,7 @@ References:
 """
 from zerojax.planner.cost import Workload, comm_time, model_state_bytes
 from zerojax.planner.solve import Auto, PlanError, auto, choose, load_profile, rank, render, workload
-from zerojax.planner.space import Point, degrees, named, plan_space
+from zerojax.planner.space import Point, degrees, plan_space
 
 __all__ = ["Workload", "comm_time", "model_state_bytes", "Auto", "PlanError", "auto", "choose", "load_profile",
-           "rank", "render", "workload", "Point", "degrees", "named", "plan_space"]
+           "rank", "render", "workload", "Point", "degrees", "plan_space"]

@@ -27,8 +27,8 @@ entry each in `TECHNIQUES`, the enumeration):
 
 qwZ int8 and qgZ int4 are ZeRO++ as published (trained to the baseline's loss, ZeRO++ §5.3) and count
 as not lossy; int4 weights, Radius's top-k and DiLoCo change what is trained by more than that and are
-taken only when the user allows it. `named(nodes, gpus)` maps every plan a user picks by name (the gin
-configs in `configs/`) to its point.
+taken only when the user allows it. `Point.of(plan, nodes, gpus)` is a plan's point, e.g. that of a plan a
+user picks by name (the gin configs in `configs/`).
 
 A point is its degrees and the `Plan` settings its techniques change (`Point.settings`), nothing else: a
 technique is the settings it sets (hpZ: `secondary_axes=("gpu",)`; Radius: `replica_sync=radius()`), the
@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable
 
 from zerojax import mesh as mesh_lib
@@ -175,6 +176,42 @@ class Point:
       object.__setattr__(self, f, v)
     object.__setattr__(self, "settings", tuple(sorted(((k, v) for k, v in out.items() if v != DEFAULTS[k]),
                                                       key=lambda kv: kv[0])))
+
+  @classmethod
+  def of(cls, plan: Plan, nodes: int, gpus: int) -> Point:
+    """The point of `plan` on a nodes x gpus cluster, as the space enumerates it: its degrees (each
+    component's group size), and each technique of `TECHNIQUES` its settings turn on. What runs alike on
+    this cluster is spelled as the space spells it: `hierarchical=None` is whether the parameter group
+    spans nodes, hpZ in a parameter group inside one node is none (its secondary shard is the whole group),
+    per-hop `grad_bits` in a gradient group inside one node are the intra-node hop's (the only hop). A
+    Radius or DiLoCo sync of any settings is the space's one (`radius()`, `diloco()`), and the settings no
+    technique sets (`sync_in_backward`, `remat`, the dtypes of the run, ...) are left out. Raises for a
+    plan the cluster cannot run (a group it cannot form, a technique that does not apply there).
+
+    The named plans are points this way: `trial.baselines` (ZeRO-3, ZeRO++, MiCS) from the constructors
+    their configs call, and every config of `configs/` in `tests/test_planner_space.py`."""
+    size = {"node": nodes, "gpu": gpus}
+    degree = lambda axes: axes if isinstance(axes, int) else math.prod(size[a] for a in axes)
+    sh = plan.sharding
+    pt = cls(degree(sh.param_axes), degree(sh.grad_axes), degree(sh.opt_axes))
+    for f in ("param_axes", "grad_axes", "opt_axes"):
+      if isinstance(getattr(sh, f), int):
+        mesh_lib.check_group(getattr(sh, f), nodes, gpus, what=f"plan {plan.name!r}: {f}")
+    f = plan.settings()
+    spans = {"p": pt.s_p > gpus, "g": pt.s_g > gpus}
+    f["hierarchical"] = spans["p"] if f["hierarchical"] is None else f["hierarchical"]
+    if not spans["p"]:
+      f["secondary_axes"] = None
+    if isinstance(f["grad_bits"], tuple) and not spans["g"]:
+      f["grad_bits"] = f["grad_bits"][0]
+    f["replica_sync"] = radius() if f["replica_sync"] is not None else None
+    f["outer_sync"] = diloco() if f["outer_sync"] is not None else None
+    on = [t for t in TECHNIQUES if all(f[k] == v for k, v in t.settings.items())]
+    for t in on:
+      if not t.applies(pt, nodes * gpus, gpus):
+        raise ValueError(f"plan {plan.name!r}: {t.column}={t.value!r} does not apply to its point "
+                         f"{pt.name(nodes * gpus)} on {nodes} x {gpus} devices")
+    return pt.with_(**{t.column: t.value for t in on})
 
   @property
   def sharding(self) -> Sharding:
@@ -313,24 +350,6 @@ def plan_space(nodes: int, gpus: int, *, techniques: bool = False, lossy: bool =
     mesh_lib.check_group(d, nodes, gpus)
   if not eq7:
     out += _beyond_eq7(nodes, gpus)
-  return out
-
-
-def named(nodes: int, gpus: int) -> dict[str, Point]:
-  """The point of every plan a user picks by name (`zerojax.plan` and the gin configs in `configs/`)."""
-  world, spans = nodes * gpus, nodes > 1
-  z3 = Point(world, world, world)
-  out = {"dp": Point(1, 1, 1), "zero1": Point(1, 1, world), "zero2": Point(1, world, world), "zero3": z3,
-         "zero3_bf16grad": z3.with_(reduce16=True), "zeropp": z3.with_(weight_bits=8, hpz=spans, grad_bits=4),
-         "zeropp_int4": z3.with_(weight_bits=4, hpz=spans, grad_bits=(8, 4) if spans else 8),
-         "qwz": z3.with_(weight_bits=8), "qgz": z3.with_(grad_bits=4),
-         "mics": Point(gpus, gpus, gpus), "mics_qwz": Point(gpus, gpus, gpus, weight_bits=8),
-         "mics_radius": Point(gpus, gpus, gpus, radius=True)}
-  if spans:
-    out["hpz"] = z3.with_(hpz=True)
-  if nodes % 2 == 0 and spans:
-    two = Point(2 * gpus, 2 * gpus, 2 * gpus, hierarchical=True)
-    out.update(mics_2node=two, mics_hpz=two.with_(hpz=True), mics_qgz=two.with_(grad_bits=8))
   return out
 
 

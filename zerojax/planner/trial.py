@@ -18,15 +18,18 @@ References:
 """
 from __future__ import annotations
 
+from zerojax import plan
 from zerojax.planner import agree, compute
-from zerojax.planner.space import Point, named
+from zerojax.planner.space import Point
 
-BASELINES = ("zero3", "zeropp", "mics")  # the named plans every trial set holds (where they fit)
+# The named plans every trial set holds (where they fit): the constructors configs/zero3.gin, zeropp.gin and
+# mics.gin call, with the settings those configs give them (tests/test_planner_space.py checks the points agree).
+BASELINES = {"zero3": plan.zero3, "zeropp": plan.zeropp, "mics": plan.mics}
 
 
 def baselines(nodes: int, gpus: int) -> list[Point]:
-  """The points of ZeRO-3, ZeRO++ and MiCS (group = node) on this cluster."""
-  return [named(nodes, gpus)[name] for name in BASELINES]
+  """The points of ZeRO-3, ZeRO++ and MiCS (group = node) on this cluster (`Point.of`)."""
+  return [Point.of(make(), nodes, gpus) for make in BASELINES.values()]
 
 
 def candidates(fitting: list[tuple[str, Point]], k: int, base: list[tuple[str, Point]]) -> list[tuple[str, Point]]:
