@@ -58,6 +58,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from zerojax import gpu_aot  # noqa: E402
+from zerojax.executor import aot  # noqa: E402
 from zerojax.analysis.hlo_text import OPS, Module, arrays, attr, callees, nbytes  # noqa: E402
 from zerojax.cli import account  # noqa: E402
 from zerojax.models.gpt import Block, embed_tokens, head_loss  # noqa: E402
@@ -282,7 +283,7 @@ def measure(config: str, layers: int, nodes: int, gpus: int, platform: str, plai
     ex, args, cfg = build(config, layers, nodes, gpus, platform)
     optimizer = make_optimizer(total_steps=args["steps"])
     t0 = time.perf_counter()
-    prog, _ = gpu_aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
+    prog, _ = aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
     seconds = time.perf_counter() - t0
     g = ex.components.gather
     key = (platform, layers, g.dtype, g.compute_dtype, ex.components.remat, args["steps"], ex.accum_steps)

@@ -48,6 +48,7 @@ if not jax.config.jax_platforms:
 import gin  # noqa: E402
 
 from zerojax import gpu_aot  # noqa: E402
+from zerojax.executor import aot  # noqa: E402
 from zerojax.analysis import step_report  # noqa: E402
 from zerojax.analysis.collectives import collectives_from_hlo  # noqa: E402
 from zerojax.analysis.schedule import schedule_from_hlo  # noqa: E402
@@ -69,7 +70,7 @@ def compile_config(config: str, params: list, nodes: int, gpus: int, batch: int 
     ex, args, cfg = compile_cli.gin_executor([config], params, "h100", nodes, gpus)
     b = batch or args["batch_size"]
     b = b if b % ex.world == 0 else ex.world
-    prog, seconds = gpu_aot.compile_step(ex, (ex.accum_steps, b, cfg.seq_len + 1), phase=phase)
+    prog, seconds = aot.compile_step(ex, (ex.accum_steps, b, cfg.seq_len + 1), phase=phase)
     return ex, prog, seconds, b
   finally:
     gin.clear_config()

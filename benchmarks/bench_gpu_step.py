@@ -64,6 +64,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zerojax  # noqa: E402
 from zerojax import gpu_aot  # noqa: E402
+from zerojax.executor import aot  # noqa: E402
 from zerojax.models.gpt import Block, GPTConfig, embed_tokens, gpt, head_loss  # noqa: E402
 from zerojax.planner import remat as remat_choice  # noqa: E402
 from zerojax.engine.remat import ATTENTION  # noqa: E402
@@ -210,7 +211,7 @@ def build_plan(name, model, params, opt, mesh, batches, dtype, remat, compile_on
     plan, s.row["remat_choice"] = remat_choice.choose(model, opt, plan, mesh, (1,) + batches[0].shape[1:])
   ex = zerojax.Executor(model, opt, plan, mesh)
   if compile_only:
-    state, batch = gpu_aot.abstract_inputs(ex, batches[0].shape)
+    state, batch = aot.abstract_inputs(ex, batches[0].shape)
     s.batches = [batch]
   else:
     state = ex.init_from_params(params)

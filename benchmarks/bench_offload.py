@@ -21,12 +21,12 @@
       size found then runs without offload, in its own process too (out of memory where offload was needed).
       Rows: losses, ms per step, the compiled program's memory (device and host). The GPU kit runs it;
       `--compile_only h100 --device_bytes B --host_bytes B` compiles each try for a compile-only H100 instead,
-      as a GPU's jax types it (`gpu_aot.compile_as_on_gpu`; a try fits when the device peak is at most B and
+      as a GPU's jax types it (`aot.compile_as_on_gpu`; a try fits when the device peak is at most B and
       the host bytes at most the host's). `--fit_probe --layers L [--out F]` is one such try; with `--bulk` the states
       are fetched at once after the backward, as before the streamed update.
 
   python benchmarks/bench_offload.py --moves --compile_only h100 [--d_model 1024] [--layers 8] [--seq 512]
-      the --fit GPT on one compile-only H100, compiled as on a GPU (`gpu_aot.compile_as_on_gpu`) without
+      the --fit GPT on one compile-only H100, compiled as on a GPU (`aot.compile_as_on_gpu`) without
       offload and with offload=("opt_state", "master") for each `--updates` (bulk, streamed, host): the
       device peak, and per step the bytes moved host->device and device->host and the pairs of opposite moves
       in flight at once (`zerojax.analysis.host_moves`).
@@ -57,6 +57,7 @@ import numpy as np  # noqa: E402
 import zerojax  # noqa: E402
 import zerojax.plan as plans  # noqa: E402
 from zerojax import gpu_aot  # noqa: E402
+from zerojax.executor import aot  # noqa: E402
 from zerojax.models.gpt import GPTConfig, gpt  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
 from zerojax.executor.memory import memory_report  # noqa: E402
@@ -161,8 +162,8 @@ def gpt_params(d: int, layers: int, vocab: int = 32000) -> int:
 
 def fit_executor(args, layers: int, setting: tuple, update: str | None = None):
   """(the --fit GPT of `layers` with offload `setting` on one device, a token batch [1, 1, seq + 1]): on the
-  device present, or with `--compile_only` on a compile-only GPU (`gpu_aot.compile_step` compiles it as a GPU
-  gets it: `gpu_aot.compile_as_on_gpu`)."""
+  device present, or with `--compile_only` on a compile-only GPU (`aot.compile_step` compiles it as a GPU
+  gets it: `aot.compile_as_on_gpu`)."""
   d = args.d_model
   cfg = GPTConfig(vocab_size=32000, seq_len=args.seq, d_model=d, num_heads=d // 128, num_layers=layers)
   mesh = zerojax.make_mesh(1, 1, devices=gpu_aot.devices(args.compile_only, 1, 1) if args.compile_only
@@ -177,7 +178,7 @@ def compiled_memory(args, ex, batch) -> dict:
   """`gpu_aot.memory` of `ex`'s step compiled for `--compile_only` (as on a GPU) or the device present, and
   `host_bytes_used`: the host memory the program needs (arguments, outputs not aliased to them, temporaries),
   or where the platform does not count host memory apart (CPUs) the offloaded states' (`memory_report`)."""
-  prog = gpu_aot.compile_step(ex, batch.shape)[0]
+  prog = aot.compile_step(ex, batch.shape)[0]
   mem = gpu_aot.memory(prog)
   h = mem["host"]
   counted = h["argument"] + h["output"] - h["alias"] + h["temp"]
@@ -192,7 +193,7 @@ def moves(args) -> dict:
   for update in ["none"] + args.updates.split(","):
     with moves_in_flight(update) as where:
       ex, batch = fit_executor(args, args.layers, () if update == "none" else ("opt_state", "master"), where)
-      prog = gpu_aot.compile_step(ex, batch.shape)[0]
+      prog = aot.compile_step(ex, batch.shape)[0]
     moved = host_moves(prog.as_text())
     moved.pop("per_computation")
     rows[update] = {"memory": gpu_aot.memory(prog), **moved}

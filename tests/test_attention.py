@@ -92,17 +92,18 @@ def test_the_default_gpt_calls_cudnn_and_keeps_no_score_matrix_on_compile_only_h
   """The built-in GPT's train step (bf16, the default attention) compiled for H100s: cuDNN's fused
   attention forward and backward are in the program, and no `[batch, heads, seq, seq]` buffer is."""
   from zerojax import gpu_aot
+  from zerojax.executor import aot
   gpu_aot.compile_only_host()
   cfg = GPTConfig(seq_len=256, d_model=256, num_heads=4, num_layers=2)
   mesh = zerojax.make_mesh(nodes, devices=gpu_aot.devices("h100", nodes, gpus))
   ex = zerojax.Executor(gpt(cfg), optax.adam(1e-3), zerojax.zero3(), mesh)
   batch = 2 * mesh.size
-  compiled, _ = gpu_aot.compile_step(ex, (1, batch, cfg.seq_len + 1))
+  compiled, _ = aot.compile_step(ex, (1, batch, cfg.seq_len + 1))
   text = compiled.as_text()
   assert 'custom_call_target="__cudnn$fmhaSoftmax"' in text
   assert 'custom_call_target="__cudnn$fmhaSoftmaxBackward"' in text
   local = batch // mesh.size
   assert f"{local},{cfg.num_heads},{cfg.seq_len},{cfg.seq_len}]" not in text
   einsum = zerojax.Executor(gpt(dataclasses.replace(cfg, attention="einsum")), optax.adam(1e-3), zerojax.zero3(), mesh)
-  assert f"{local},{cfg.num_heads},{cfg.seq_len},{cfg.seq_len}]" in gpu_aot.compile_step(
+  assert f"{local},{cfg.num_heads},{cfg.seq_len},{cfg.seq_len}]" in aot.compile_step(
       einsum, (1, batch, cfg.seq_len + 1))[0].as_text()  # the check sees a score matrix where there is one

@@ -102,7 +102,7 @@ def test_replicas_and_outer_update_match_plain_jax(outer, steps):
 def test_inner_step_crosses_no_node_and_the_outer_step_moves_the_model(bits):
   """On the compiled programs: the inner step has no collective between nodes; the outer step's
   cross-node bytes are those of the model's shard (fp32 ring all-reduce, or the int4 blocks' all-gather)."""
-  from zerojax.gpu_aot import abstract_inputs
+  from zerojax.executor.aot import abstract_inputs
 
   ex = zerojax.Executor(helpers.tiny_gpt(), helpers.optimizer(), plans.mics(outer_sync=plans.diloco(every=4, bits=bits)),
                         zerojax.make_mesh(*MESH), accum_steps=2)

@@ -11,6 +11,7 @@ import gin
 import pytest
 
 from zerojax import gpu_aot
+from zerojax.executor import aot
 
 pytestmark = pytest.mark.gpu_compile
 if not gpu_aot.plugin_installed():
@@ -35,7 +36,7 @@ def compiled(config: str, params=(), small: bool = True) -> dict:
     gin.clear_config()
     try:
       ex, args, cfg = compile_cli.gin_executor([config], (SMALL if small else []) + list(params), "h100", 2, 4)
-      prog, seconds = gpu_aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
+      prog, seconds = aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
       _cache[key] = {"report": compile_cli.report(ex, prog, seconds), "text": prog.as_text(), "ex": ex}
     finally:
       gin.clear_config()
@@ -217,7 +218,7 @@ def test_one_h100_runs_no_collective_no_quantization_and_the_plain_steps_bytes(p
   try:
     # the plain step below is remat "full"'s; "auto" would pick "none" on an H100
     ex, args, cfg = compile_cli.gin_executor([f"configs/{plan}.gin"], SMALL + [f"{plan}.remat='full'"], "h100", 1, 1)
-    prog, _ = gpu_aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
+    prog, _ = aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
     plain, plain_text = _plain_bytes(ex, cfg, make_optimizer(total_steps=args["steps"]), args["batch_size"])
   finally:
     gin.clear_config()

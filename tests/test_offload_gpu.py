@@ -11,6 +11,7 @@ import gin
 import pytest
 
 from zerojax import gpu_aot
+from zerojax.executor import aot
 
 pytestmark = pytest.mark.gpu_compile
 if not gpu_aot.plugin_installed():
@@ -28,7 +29,7 @@ def compiled(config: str, offload: tuple):
   try:
     name = config.split("/")[-1][:-4]
     ex, args, cfg = compile_cli.gin_executor([config], SMALL + [f"{name}.offload={offload!r}"], "h100", 2, 4)
-    prog, _ = gpu_aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
+    prog, _ = aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
     return ex, prog
   finally:
     gin.clear_config()
@@ -99,7 +100,7 @@ def test_streamed_update_writes_the_donated_host_buffers_in_place(monkeypatch):
 
   def host_memory():
     ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=10), plans.dp(offload=("opt_state", "master")), mesh)
-    return gpu_aot.memory(gpu_aot.compile_step(ex, (1, 1, 33))[0])["host"], ex
+    return gpu_aot.memory(aot.compile_step(ex, (1, 1, 33))[0])["host"], ex
   got, ex = host_memory()
   host = memory_report(ex)["expected"]["host"]
   assert got == {"argument": host, "output": host, "alias": host, "temp": 0}, (got, host)
@@ -137,7 +138,7 @@ def test_cli_compile_reports_the_offloaded_step_a_gpu_compiles(capsys):
   assert rep["memory"]["host"] == {"argument": host, "output": host, "alias": host, "temp": 0}, (rep["memory"], host)
   # the reference: traced on a CPU device, lowered for CUDA, compiled for the compile-only H100
   cpu = ex.on_devices(jax.devices("cpu")[:1])
-  module = cpu.step_fn().trace(*gpu_aot.abstract_inputs(cpu, shape)).lower(lowering_platforms=("cuda",))
+  module = cpu.step_fn().trace(*aot.abstract_inputs(cpu, shape)).lower(lowering_platforms=("cuda",))
   gpu = next(iter(ex.mesh.devices.flat))
   options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=np.array([[gpu]]),
                                          env_options_overrides=ex.compiler_options(), backend=gpu.client)
@@ -146,7 +147,7 @@ def test_cli_compile_reports_the_offloaded_step_a_gpu_compiles(capsys):
   want = gpu_aot.memory(type("C", (), {"memory_analysis": lambda self: exe.get_compiled_memory_stats()})())
   assert rep["memory"]["device_peak"] == want["device_peak"] > 0, (rep["memory"], want)
   # the route the report no longer takes: the step traced on the compile-only H100 itself
-  dropped = gpu_aot.memory(ex.step_fn().lower(*gpu_aot.abstract_inputs(ex, shape)).compile())
+  dropped = gpu_aot.memory(ex.step_fn().lower(*aot.abstract_inputs(ex, shape)).compile())
   assert dropped["host"]["temp"] > 0 and dropped["device_peak"] != want["device_peak"], dropped
 
 
@@ -166,7 +167,7 @@ def test_host_update_moves_only_gradients_down_and_16bit_parameters_up():
   for update in ("host", "streamed"):
     ex = zerojax.Executor(gpt(cfg), make_optimizer(total_steps=10),
                           plans.dp(offload=("opt_state", "master"), offload_update=update, compute_dtype="bfloat16"), mesh)
-    moved[update] = host_moves(gpu_aot.compile_step(ex, (1, 1, 33))[0].as_text())
+    moved[update] = host_moves(aot.compile_step(ex, (1, 1, 33))[0].as_text())
   numel = sum(l.padded * (l.layers or 1) for l in ex.layout.leaves)
   assert moved["host"]["device_to_host"] == 4 * numel and moved["host"]["host_to_device"] == 2 * numel, moved["host"]
   # the streamed update: the master weights and moments once each way (12 bytes); its bf16 weights stay on the
@@ -193,7 +194,7 @@ def test_streamed_layers_move_both_directions_at_once(monkeypatch):
   assert ex.compiler_options()[gpu_aot.ASYNC_MOVES] == ex.placement.offload.moves(ex.shardings()) > 2
 
   def layer_loop():
-    moved = host_moves(gpu_aot.compile_step(ex, (1, 1, 33))[0].as_text())
+    moved = host_moves(aot.compile_step(ex, (1, 1, 33))[0].as_text())
     return next(c for c in moved["per_computation"].values() if c["executions"] == cfg.num_layers - 2)
   loop = layer_loop()
   assert loop["host_to_device"] == loop["device_to_host"] > 0, loop  # one layer's master and states each way

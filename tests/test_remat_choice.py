@@ -9,6 +9,7 @@ import pytest
 
 import zerojax
 from zerojax import gpu_aot
+from zerojax.executor import aot
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax.planner import remat as remat_choice
 
@@ -65,7 +66,7 @@ def test_auto_on_compiled_cpu_programs_keeps_activations_where_they_fit():
   assert big.schedule.remat == "none" and len(report["rows"]) == 1
   peaks = {}
   for mode in remat_choice.ORDER:
-    compiled, _ = gpu_aot.compile_step(zerojax.Executor(model, opt, zerojax.zero3(remat=mode), mesh), batch)
+    compiled, _ = aot.compile_step(zerojax.Executor(model, opt, zerojax.zero3(remat=mode), mesh), batch)
     peaks[mode] = gpu_aot.memory(compiled)["device_peak"]
   assert peaks["none"] > 1.5 * peaks["full"], peaks
   plan, report = remat_choice.choose(model, opt, zerojax.zero3(), mesh, batch, capacity=peaks["none"] - 1)
@@ -121,7 +122,7 @@ def test_offloaded_remat_keeps_the_layers_inputs_in_host_memory_on_compile_only_
   batch, memory, hlo = (1, 32, cfg.seq_len + 1), {}, {}
   for mode in ("full", "offloaded"):
     ex = zerojax.Executor(gpt(cfg), optax.adam(1e-3), zerojax.zero3(remat=mode), mesh)
-    compiled, _ = gpu_aot.compile_step(ex, batch)
+    compiled, _ = aot.compile_step(ex, batch)
     memory[mode], hlo[mode] = gpu_aot.memory(compiled), compiled.as_text()
   inputs = cfg.num_layers * batch[1] * cfg.seq_len * cfg.d_model * 2  # the layers' bf16 inputs
   assert memory["offloaded"]["host"]["temp"] == inputs and memory["full"]["host"]["temp"] == 0, memory

@@ -165,6 +165,7 @@ def test_16bit_gradients_hold_less_on_a_compile_only_h100(monkeypatch):
   """The same step compiled for one H100: the 16-bit gradients hold fewer temporary bytes than fp32 sinks
   (the 737M GPT's figures: `benchmarks/gpu/step_compile_h100.json`, docs/gpu.md)."""
   from zerojax import gpu_aot
+  from zerojax.executor import aot
   gpu_aot.compile_only_host()
   gpu = zerojax.make_mesh(1, devices=gpu_aot.devices("h100", 1, 1))
   cfg = dataclasses.replace(helpers.TINY, num_layers=4, d_model=256, num_heads=4)
@@ -173,6 +174,6 @@ def test_16bit_gradients_hold_less_on_a_compile_only_h100(monkeypatch):
     if wide:
       monkeypatch.setattr(GradReduction, "kept_in", lambda self, dtype: self)
     ex = zerojax.Executor(gpt(cfg), helpers.optimizer(), zerojax.zero3(compute_dtype="bfloat16"), gpu)
-    temp[wide] = gpu_aot.memory(gpu_aot.compile_step(ex, (1, 8, cfg.seq_len + 1))[0])["temp"]
+    temp[wide] = gpu_aot.memory(aot.compile_step(ex, (1, 8, cfg.seq_len + 1))[0])["temp"]
   layers = 4 * 12 * 256 * 256  # the scanned blocks' weights: their gradients' width halves
   assert temp[True] - temp[False] >= layers, temp

@@ -6,8 +6,8 @@ returns N x G devices of the GPU described by a `GpuTargetConfigProto` (the file
 `zerojax/gpu_targets/`). A program sharded over them lowers and compiles with XLA's GPU pipeline
 (latency-hiding scheduler, async collectives, Triton fusions for the target's compute capability);
 nothing runs. `compiled.as_text()` is the scheduled GPU program, `compiled.memory_analysis()` its
-per-device memory (`compile_step` compiles an executor's train step for abstract inputs, `memory` reads
-the bytes).
+per-device memory (`zerojax.executor.aot.compile_step` compiles an executor's train step for abstract
+inputs, `memory` reads the bytes).
 
 The executor compiles its step for GPU meshes (real or compile-only) with `GPU_COMPILER_OPTIONS`, so
 the program `zerojax.cli.compile` reads is the one a GPU run gets (`compiler_options`); an option the
@@ -17,20 +17,18 @@ allocate, for `remat="auto"` (`zerojax.planner.remat`).
 Compile-only GPUs list no memories, so jax drops the memory kind of their shardings: a step with offloaded
 state (`Sharding.offload`) traced on them has no input in host memory, and XLA schedules its moves unlike a
 GPU's (the bulk fetch of a 4.09 B GPT: a 35.9 GB device peak against the real H100's 60.1 GB,
-docs/offload.md). `compile_step` therefore compiles such a step as a GPU's jax types it
-(`compile_as_on_gpu`): traced on as many CPU devices (which have "pinned_host", like GPUs) with the GPU's
-choices (`as_gpu`), lowered for CUDA and compiled for the compile-only GPUs (62.7 GB for that step, 4%
-over the GPU's allocation). Other steps compile on the GPUs' own mesh, as before.
+docs/offload.md). `zerojax.executor.aot.compile_step` therefore compiles such a step as a GPU's jax types
+it (`compile_as_on_gpu`): traced on as many CPU devices (which have "pinned_host", like GPUs) with the
+GPU's choices (an executor built with `gpu=True`), lowered for CUDA and compiled for the compile-only GPUs
+(62.7 GB for that step, 4% over the GPU's allocation). Other steps compile on the GPUs' own mesh.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import os
-import time
 
 import jax
-import numpy as np
 
 TARGETS = {"h100": "h100.txtpb", "a100": "a100.txtpb"}
 PIP = "pip install -e '.[gpu-aot]'"
@@ -101,20 +99,6 @@ def devices(target: str, nodes: int, gpus: int) -> list:
   return list(topo.devices)
 
 
-_as_gpu = [False]  # inside `as_gpu`: every mesh takes the GPU's choices
-
-
-@contextlib.contextmanager
-def as_gpu():
-  """Inside it, `is_gpu` is true of every mesh: an executor built on CPU devices makes the choices it makes
-  on GPUs (prefetch, kernels), so that its step, lowered for CUDA, is the GPU's (`compile_as_on_gpu`)."""
-  before, _as_gpu[0] = _as_gpu[0], True
-  try:
-    yield
-  finally:
-    _as_gpu[0] = before
-
-
 def target_field(target: str, name: str) -> str:
   """The value of field `name` in `target`'s description (`target_config`), unquoted: "device_description_str"
   is the device kind (e.g. "NVIDIA H100 80GB HBM3"), "device_memory_size" its bytes."""
@@ -136,10 +120,10 @@ def lowering_for(target: str):
 
 
 def is_gpu(mesh_) -> bool:
-  """Whether a mesh's devices are GPUs (real or compile-only; any mesh inside `as_gpu`)."""
+  """Whether a mesh's devices are GPUs (real or compile-only). An executor built with `gpu=True` makes the
+  GPU's choices on any devices (`Plan.resolve`, `components.compile`: their `gpu` argument)."""
   devs = getattr(mesh_, "devices", None)
-  return devs is not None and hasattr(devs, "flat") and (
-      _as_gpu[0] or next(iter(devs.flat)).platform in ("gpu", "cuda"))
+  return devs is not None and hasattr(devs, "flat") and next(iter(devs.flat)).platform in ("gpu", "cuda")
 
 
 def compile_only(mesh_) -> bool:
@@ -201,72 +185,6 @@ def device_memory(mesh_, env=None) -> int | None:
   size = int(target_field(target, "device_memory_size"))
   fraction = float((env if env is not None else os.environ).get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
   return int(size * fraction)
-
-
-def abstract_inputs(ex, batch_shape):
-  """`ShapeDtypeStruct`s with shardings of the train state and a token batch `[accum, batch, seq + 1]`."""
-  state = jax.eval_shape(ex.init, jax.random.key(0))
-  state = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, ex.shardings(state))
-  ex.check_batch(batch_shape)
-  return state, jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=ex.batch_sharding)
-
-
-def compile_step(ex, batch_shape, phase: str | None = None):
-  """(compiled train step, seconds to lower and compile) for abstract inputs; nothing runs. `phase`:
-  which program of a step with phases (`Executor.step_fn`'s `lower`). On compile-only GPUs a step with
-  offloaded state compiles as on a GPU (`compile_as_on_gpu`)."""
-  t0 = time.perf_counter()
-  if compile_only(ex.mesh) and ex.components.offload.fields:
-    compiled = compile_as_on_gpu(ex, batch_shape, phase)
-  else:
-    compiled = ex.step_fn().lower(*abstract_inputs(ex, batch_shape), phase=phase).compile()
-  return compiled, time.perf_counter() - t0
-
-
-class _Compiled:
-  """A compiled executable seen through the methods `memory` and the schedule readers use."""
-
-  def __init__(self, exe):
-    self.exe = exe
-
-  def memory_analysis(self):
-    return self.exe.get_compiled_memory_stats()
-
-  def as_text(self) -> str:
-    return self.exe.hlo_modules()[0].to_string()
-
-
-def cpu_devices(n: int) -> list:
-  """`n` CPU devices of this process (one-line error naming the setting where it has fewer)."""
-  cpus = jax.devices("cpu")
-  if len(cpus) < n:
-    raise ValueError(f"compiling offloaded state as on {n} GPUs traces the step on {n} CPU devices, but jax has "
-                     f"{len(cpus)}; start the process with XLA_FLAGS=--xla_force_host_platform_device_count={n} "
-                     f"(or jax.config.update('jax_num_cpu_devices', {n}) before jax's first use)")
-  return cpus[:n]
-
-
-def compile_as_on_gpu(ex, batch_shape, phase: str | None = None):
-  """The train step of `ex` (an executor on compile-only GPUs) as a GPU gets it, its offloaded inputs in host
-  memory: the same executor on as many CPU devices (`Executor.on_devices`, built `as_gpu`: the GPU's
-  prefetch and kernels) traces the step with its inputs' memory kinds; it is lowered for CUDA (cuDNN's
-  attention, the kernels' Triton lowering) and compiled with the GPUs' client, each CPU device standing for
-  the GPU at its place in the mesh, with the options a GPU run uses (`Executor.compiler_options`). Returns an object
-  with `as_text()` and `memory_analysis()`, as a jax `Compiled` has."""
-  from jax._src import compiler  # the lowered module compiled for devices jax does not trace on
-  from jax._src.lib import xla_client as xc
-
-  gpus = list(ex.mesh.devices.flat)
-  with as_gpu():
-    twin = ex.on_devices(cpu_devices(len(gpus)))
-  traced = twin.step_fn().trace(*abstract_inputs(twin, batch_shape), phase=phase)
-  module = traced.lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-  # The module's device ids are positions in the twin's mesh order, a reshape of the same order as the GPUs'
-  client = gpus[0].client
-  options = compiler.get_compile_options(num_replicas=1, num_partitions=len(gpus),
-                                         device_assignment=np.array(gpus).reshape(1, len(gpus)),
-                                         env_options_overrides=ex.compiler_options(), backend=client)
-  return _Compiled(compiler.backend_compile_and_load(client, module, xc.DeviceList(tuple(gpus)), options, []))
 
 
 def memory(compiled) -> dict | None:

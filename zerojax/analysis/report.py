@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zerojax import gpu_aot
+from zerojax.executor import aot
 from zerojax.analysis.collectives import Collective, collectives_from_hlo
 from zerojax.analysis.wire_model import summarize
 
@@ -26,7 +26,7 @@ def step_hlo(executor, batch_shape: tuple[int, int, int] | None = None, phase: s
     phase: with Radius, which step's program: "dense", "select" or "sparse" (None: "sparse").
   """
   batch_shape = tuple(batch_shape or (executor.accum_steps, executor.world, 2))
-  return gpu_aot.compile_step(executor, batch_shape, phase)[0].as_text()
+  return aot.compile_step(executor, batch_shape, phase)[0].as_text()
 
 
 def step_collectives(executor, batch_shape: tuple[int, int, int] | None = None, *,

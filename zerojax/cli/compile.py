@@ -17,7 +17,8 @@ import json
 import sys
 
 from zerojax import gpu_aot, mesh as mesh_lib
-from zerojax.gpu_aot import compile_step, memory
+from zerojax.executor.aot import compile_step
+from zerojax.gpu_aot import memory
 from zerojax.cli import account
 from zerojax.analysis import collectives_from_hlo
 from zerojax.analysis.schedule import (gathered_alive, kernel_counts, merged_backward_gathers, overlap_summary,
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     nodes, gpus = (int(v) for v in args.mesh.lower().split("x"))
   except ValueError:
     ap.error(f"--mesh {args.mesh!r} is not NODESxGPUS; use e.g. 2x4")
-  mesh_lib.request_cpu_devices(nodes * gpus)  # a step with offloaded state traces on as many (`gpu_aot.compile_step`)
+  mesh_lib.request_cpu_devices(nodes * gpus)  # a step with offloaded state traces on as many (`aot.compile_step`)
   try:
     gpu_aot.compile_only_host()
     ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param, args.target, nodes, gpus)

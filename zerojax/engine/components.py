@@ -305,19 +305,19 @@ class Components:
     return lax.pmean(x, self.mean_axes) if self.mean_axes else x
 
 
-def compile(plan: Plan, mesh: Mesh) -> Components:  # noqa: A001 (the plan's compile step)
+def compile(plan: Plan, mesh: Mesh, gpu: bool | None = None) -> Components:  # noqa: A001 (the plan's compile step)
   """The components that run a resolved `plan` (`Plan.resolve(mesh)`) on `mesh`.
 
   An axis of size 1 moves nothing: every collective, quantization and prefetch is decided here from the
   axes of size > 1 (the module docstring); on meshes without such axes the plan's axes are kept as they
-  are.
+  are. `gpu`: whether to make a GPU's choices (the kernels); None: whether the mesh's devices are GPUs.
   """
   s, g, r = plan.sharding, plan.gather, plan.reduction
   sizes = axis_sizes(mesh)
   moving = lambda axes: tuple(a for a in axes if sizes[a] > 1)
   node = lambda a: mesh_lib.is_node_axis(a)
   # No kernel_backend named: on GPUs each op's fastest measured kernel (pallas_kernels.kernel_table), else xla.
-  kernels = kernel_choice.FASTEST if gpu_aot.is_gpu(mesh) else None
+  kernels = kernel_choice.FASTEST if (gpu_aot.is_gpu(mesh) if gpu is None else gpu) else None
   p_axes = moving(s.param_axes)
   secondary = moving(g.secondary_axes) if p_axes and g.secondary_axes else None
   gather = ParamGather(

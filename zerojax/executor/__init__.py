@@ -61,6 +61,8 @@ class Executor:
     mesh: the ("node", "gpu") mesh (or a factoring of it); the executor factors it further for plans
       that name groups by size, and keeps the result as `self.mesh`.
     accum_steps: micro-batches per optimizer step (gradient accumulation).
+    gpu: whether to make a GPU's choices (prefetch, the kernels; `Plan.resolve`, `components.compile`) on any
+      devices, e.g. CPU devices tracing a GPU's step (`zerojax.executor.aot`); None: whether they are GPUs.
 
   Attributes:
     plan, mesh: the plan resolved on the (factored) mesh.
@@ -80,12 +82,12 @@ class Executor:
   remat_choice: dict | None = None
 
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
-               accum_steps: int = 1):
+               accum_steps: int = 1, gpu: bool | None = None):
     self._given = (plan, mesh)  # as given, for `on_devices`
     plan.check_groups(mesh)
     prefetch_optional = plan.schedule.prefetch is None  # the platform's default, not the user's setting
     mesh = mesh_lib.factor(mesh, plan.groups())  # groups of k consecutive devices become mesh axes
-    plan = plan.resolve(mesh)
+    plan = plan.resolve(mesh, gpu)
     plan.validate(mesh)
     if accum_steps < 1:
       raise ValueError(f"accum_steps={accum_steps} must be at least 1")
@@ -98,7 +100,7 @@ class Executor:
     self.user_optimizer = optimizer
     self.optimizer = logical_lib.logical_optimizer(optimizer, self.layout, self.to_user, self.from_user)
     self.param_specs = layout_lib.specs(self.layout, plan.sharding.opt_order)
-    self.components = c = components_lib.compile(plan, mesh)  # what runs the plan; nothing below reads it
+    self.components = c = components_lib.compile(plan, mesh, gpu)  # what runs the plan; nothing below reads it
     sizes, tree = tuple(axis_sizes(mesh).items()), self.layout.tree()
     self.metas = {}
     for u in tree:
@@ -114,14 +116,15 @@ class Executor:
                        self.metas, accum_steps)
     self.world, self.batch_axes, self.batch_sharding = mesh.size, self.steps.batch_axes, self.steps.batch_sharding
 
-  def on_devices(self, devices) -> "Executor":
+  def on_devices(self, devices, gpu: bool | None = None) -> "Executor":
     """This executor's model, optimizer, plan (as given) and accumulation on a mesh of the same shape and
-    axes over `devices` (as many as this mesh has, taken in its device order): e.g. CPU devices that trace
-    the step of compile-only GPUs with its host memory kinds (`zerojax.gpu_aot.compile_step`)."""
+    axes over `devices` (as many as this mesh has, taken in its device order), making a GPU's choices where
+    `gpu` (the constructor's): e.g. CPU devices that trace the step of compile-only GPUs with its host
+    memory kinds (`zerojax.executor.aot.compile_as_on_gpu`)."""
     plan, mesh = self._given
     grid = np.asarray(list(devices), dtype=object).reshape(np.shape(mesh.devices))
     return Executor(self.model, self.user_optimizer, plan, Mesh(grid, mesh.axis_names),
-                    accum_steps=self.accum_steps)
+                    accum_steps=self.accum_steps, gpu=gpu)
 
   # -- the train state (`TrainStates`) --
   def init(self, rng: jax.Array) -> TrainState:

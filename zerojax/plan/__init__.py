@@ -179,13 +179,13 @@ class Plan:
       if isinstance(axes, int):
         mesh_lib.check_group(axes, nodes, gpus, what=f"plan {self.name!r}: {f}")
 
-  def resolve(self, mesh: Mesh) -> "Plan":
+  def resolve(self, mesh: Mesh, gpu: bool | None = None) -> "Plan":
     """The plan on `mesh`'s own axes (`mesh` factored by `mesh.factor(mesh, self.groups())`).
 
     A group size becomes the axes of its group (`mesh.group_axes`); a whole axis (`"gpu"`) the mesh
     factors (`"gpu.4"`, `"gpu.2"`) is replaced by its factors, major first; `hierarchical=None` becomes
     whether the parameter group spans nodes, `prefetch=None` whether the mesh is of GPUs (see
-    `Schedule.prefetch`). Raises for a plan the mesh cannot run.
+    `Schedule.prefetch`; `gpu`, if given, instead). Raises for a plan the mesh cannot run.
     """
     self.check_groups(mesh)
 
@@ -213,7 +213,7 @@ class Plan:
                                  hierarchical=hierarchical)
     prefetch = self.schedule.prefetch
     if prefetch is None:  # on GPUs the default (zerojax.gpu_aot): the layer loops' collectives overlap compute
-      prefetch = gpu_aot.is_gpu(mesh) and bool(p)
+      prefetch = (gpu_aot.is_gpu(mesh) if gpu is None else gpu) and bool(p)
     return Plan(self.name, sharding, gather, self.reduction, self.sync,
                 dataclasses.replace(self.schedule, prefetch=prefetch))
 

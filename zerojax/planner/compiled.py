@@ -6,7 +6,7 @@ point is built as the executor runs it (`space.Point.plan`) for a model (e.g. th
 `zerojax.models.gpt.gpt(cfg)`: only its shapes are traced) on `nodes` x `gpus` compile-only GPUs of a
 target kind (`zerojax.gpu_aot`: "a100" is also AMSP's A800), one train step is compiled for abstract
 inputs (nothing runs, no weights exist; a point with offload as a GPU's jax types its host-memory inputs,
-`gpu_aot.compile_as_on_gpu`) and XLA's per-device figures are read: arguments (the train
+`aot.compile_as_on_gpu`) and XLA's per-device figures are read: arguments (the train
 state and the batch), outputs, aliased (the state donated back), temporaries and the peak.
 `check_rows` puts the compiled peak in place of the formula's "fits" for the top rows of a ranking
 (`planner.rank`), so the choice (`planner.choose`) rests on the program that would run.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import optax
 
 from zerojax import gpu_aot, mesh as mesh_lib
+from zerojax.executor import aot
 from zerojax.executor import Executor
 from zerojax.engine.model import Model
 from zerojax.executor.memory import memory_report
@@ -51,7 +52,7 @@ def memory(point: Point, model: Model, seq_len: int, nodes: int, gpus: int, targ
   if accum < 1 or batch_per_device < 1:
     raise ValueError(f"accum={accum}, batch_per_device={batch_per_device}: use positive micro-batch counts")
   ex = executor(point, model, nodes, gpus, target, accum=accum, optimizer=optimizer, **plan_fields)
-  compiled, seconds = gpu_aot.compile_step(ex, (accum, batch_per_device * ex.world, seq_len + 1))
+  compiled, seconds = aot.compile_step(ex, (accum, batch_per_device * ex.world, seq_len + 1))
   out = gpu_aot.memory(compiled)
   out.update(plan=ex.plan.name, remat=ex.components.remat, prefetch=ex.components.prefetch,
              model_states=memory_report(ex)["expected"]["total"], compile_s=seconds)

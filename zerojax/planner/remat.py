@@ -5,7 +5,7 @@ The modes, least recompute first: "none" (every residual kept: no forward runs t
 matmuls' outputs and the attention's output kept, the rest recomputed), "full" (only each unit's inputs
 kept, its whole forward recomputed), "offloaded" ("full" with the kept inputs in host memory: the same
 recompute plus each layer's input over the host link each way; taken only where "full" does not fit).
-`choose` compiles the step of each in that order for the batch the run trains on (`gpu_aot.compile_step`:
+`choose` compiles the step of each in that order for the batch the run trains on (`aot.compile_step`:
 lowered and compiled, nothing runs; with offloaded state on compile-only GPUs, as a GPU's jax types its
 host-memory inputs) and keeps the first whose device peak (`gpu_aot.memory`'s `device_peak`: state, batch,
 temporaries) is within the device's memory; where none fits, the one of smallest peak. Its report (`rows`,
@@ -34,6 +34,7 @@ import optax
 from jax.sharding import Mesh
 
 from zerojax import gpu_aot
+from zerojax.executor import aot
 from zerojax.executor import Executor
 from zerojax.engine.model import Model
 from zerojax.plan import Plan
@@ -76,5 +77,5 @@ def choose(model: Model, optimizer: optax.GradientTransformation, plan: Plan, me
 
 
 def _compiled_peak(ex: Executor, batch_shape: tuple) -> int:
-  compiled, _ = gpu_aot.compile_step(ex, batch_shape)
+  compiled, _ = aot.compile_step(ex, batch_shape)
   return gpu_aot.memory(compiled)["device_peak"]
