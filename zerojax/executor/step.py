@@ -30,7 +30,7 @@ from zerojax.engine.model import Model, call_loss
 from zerojax.state.placement import Placement
 from zerojax.state.stateful import InBackward, Phased, ReplacesWeights, SyncsReplicas, keep
 from zerojax.state.train_state import TrainState
-from zerojax.engine.unit import ShardedUnit
+from zerojax.engine.unit import ShardedUnit, UnitState
 from zerojax.executor.offload_update import StreamedUpdate
 
 
@@ -85,7 +85,8 @@ class Steps:
     collections and `{name: what each stateful component's body_in passes}` -> reduced gradient shard,
     mean loss, mean aux, device-averaged mutable collections, `{name: the component's output}`."""
     model, local, parts = self.model, local or {}, self.components
-    carried = {n: local[n] for n, c in self.stateful.items() if isinstance(c, InBackward)}  # through the backward
+    in_backward = {n: c for n, c in self.stateful.items() if isinstance(c, InBackward)}
+    carried = {n: local[n] for n in in_backward}  # through the backward: its cotangent is the new state
     syncer = next((c for c in self.stateful.values() if isinstance(c, SyncsReplicas) and phase in c.phases), None)
     master = self.placement.local(master)  # this device's copy
     p_shards = parts.gather.from_master(master)  # step 0
@@ -101,7 +102,12 @@ class Steps:
       self._reduction = self._gradient_reduction(traced["u"])
     zeros_g = self._reduction.sinks(self.layout.tree())
 
-    state = lambda e, i: parts.reduction.unit_states(self.metas, e, step, i, rank)
+    def state(carried, i):
+      """`{unit: UnitState or None}`: each in-backward component's value under its key, the rounding seed."""
+      keyed = {c: c.unit_states(carried[n]) for n, c in in_backward.items()}
+      seeds = parts.reduction.seeds(self.metas, step, i, rank)
+      return {u: UnitState({c: v[u] for c, v in keyed.items()}, seeds[u]) if keyed or seeds[u] is not None
+              else None for u in self.metas}
 
     def micro(acc, mut, err, mb, i, sync_axes=()):
       """One micro-batch's forward and backward: each unit reduces its gradient into its sinks. With
@@ -116,9 +122,8 @@ class Steps:
       (loss, (aux, mut)), (g, err) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(sinks, err)
       if sync_axes:
         self._check_single_calls(units["u"])
-      for c in self.stateful.values():  # the state is each unit's one backward's cotangent
-        if isinstance(c, InBackward):
-          self._check_single_calls(units["u"], c.setting)
+      for c in in_backward.values():  # the state is each unit's one backward's cotangent
+        self._check_single_calls(units["u"], c.setting)
       return (g if sync_axes else jax.tree.map(jnp.add, acc, g)), mut, err, loss, aux
 
     def scanned(carry, xs):
