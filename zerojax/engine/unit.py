@@ -51,7 +51,7 @@ class UnitMeta:
     remat: the remat mode (`Schedule.remat` resolved); `prefetch` whether `scan_layers` prefetches.
     prefetch_optional: prefetch is the platform's default, not the user's setting: a scanned unit whose
       layers are called one by one (flax `nn.scan`, a user's `lax.scan`) runs per layer instead of
-      raising, and the call is recorded in `fallbacks`.
+      raising (the step's probe lists it: `zerojax.executor.step.Probe`).
     axis_sizes: the mesh's `(axis, size)` pairs.
     treedef, leaves: the unit's parameter tree and its leaves' layouts.
     sync_axes: MiCS §3.4 overlapped: in the last micro-step of a window, the backward also all-reduces
@@ -68,8 +68,6 @@ class UnitMeta:
   sync_axes: tuple[str, ...] = ()
   scanned: bool = False
   prefetch_optional: bool = False
-  calls: list = dataclasses.field(default_factory=list, init=False, compare=False, hash=False, repr=False)
-  fallbacks: list = dataclasses.field(default_factory=list, compare=False, hash=False, repr=False)
 
 
 class StateKey(abc.ABC):
@@ -362,13 +360,11 @@ def unit(f: Callable) -> Callable:
   @functools.wraps(f)
   def apply(params, *args, **kwargs):
     if isinstance(params, ShardedUnit):
-      if params.meta.prefetch and params.meta.scanned and params.meta.prefetch_optional:
-        params.meta.fallbacks.append(getattr(f, "__qualname__", repr(f)))  # per layer, as prefetch=False
-      elif params.meta.prefetch and params.meta.scanned:
+      meta = params.meta  # a scanned unit's layers one by one under the default prefetch: per layer
+      if meta.prefetch and meta.scanned and not meta.prefetch_optional:
         raise ValueError(f"prefetch=True: a scanned unit's layers are called one by one (lax.scan or "
                          f"flax nn.scan) by {getattr(f, '__qualname__', f)}; run the stack with "
                          "zerojax.scan_layers(f, params, x), or set prefetch=False")
-      params.meta.calls.append(f)
       leaves, treedef = jax.tree.flatten((args, kwargs))
       g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))
       arrays = [x for x in leaves if _is_array(x)]
