@@ -76,7 +76,8 @@ class StateKey(abc.ABC):
   component's value for each unit in `UnitState.keyed` under the component itself; the unit's backward
   gives the value back to it (`backward`) and returns the new value, under the same key, as the old
   value's cotangent: the state the next micro-step gets (so values are inexact arrays: an integer's
-  cotangent is float0). Keys sort by their class's name, so a unit's state flattens alike in every trace."""
+  cotangent is float0). Keys sort by their class's name, so a unit's state flattens alike in every trace,
+  and hash by identity (a dataclass key keeps `eq=False`)."""
 
   def error(self, value):
     """What `value` gives the unit's gradient reduction as the errors it adds back (qgZ's error feedback,
