@@ -147,3 +147,34 @@ def test_a_new_stateful_technique_is_one_file_and_its_registration():
     assert memory_report(ex)["expected"]["toy"] == 4
   finally:
     STATEFUL.remove(ToySync)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_second_in_backward_component_coexists_with_error_feedback(prefetch):
+  """`tests/toy_backward.py`, a second in-backward component registered beside qgZ's error feedback: each
+  builds its own per-unit state, which reaches every unit (every layer, in both call orders) under the
+  component's own key, and gets its own cotangent back. The toy counts every backward call; the errors
+  and the weights are bitwise those of the run without it."""
+  from tests.toy_backward import BackwardCount
+  STATEFUL.append(BackwardCount)
+  try:
+    mesh, model, accum = zerojax.make_mesh(2, 4), helpers.tiny_gpt(), 2
+    base = plans.zeropp(grad_bits=8, grad_error_feedback=True, prefetch=prefetch)
+    ex = zerojax.Executor(model, optax.adamw(1e-3), plans.Plan("toy-backward", **base.settings()), mesh,
+                          accum_steps=accum)
+    ref = zerojax.Executor(model, optax.adamw(1e-3), base, mesh, accum_steps=accum)
+    assert list(ex.stateful) == ["grad_error", "backward_count"] and list(ref.stateful) == ["grad_error"]
+    state, want = ex.init(jax.random.key(0)), ref.init(jax.random.key(0))
+    for b in helpers.batches(2, accum):
+      state, _ = ex.step_fn()(state, b)
+      want, _ = ref.step_fn()(want, b)
+    counts = state.stateful["backward_count"]
+    assert sorted(counts) == sorted(ex.metas) and any(np.ndim(c) == 2 for c in counts.values())  # a scanned unit
+    assert all(np.all(np.asarray(c) == 2 * accum) for c in counts.values()), counts
+    errors = jax.tree.leaves(state.stateful["grad_error"])
+    assert any(float(np.abs(np.asarray(e)).max()) > 0 for e in errors)
+    for a, b in zip(jax.tree.leaves((state.params, errors)), jax.tree.leaves((want.params, want.stateful["grad_error"]))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert memory_report(ex)["expected"]["backward_count"] == 4 * sum(int(np.prod(np.shape(c)[1:])) for c in counts.values())
+  finally:
+    STATEFUL.remove(BackwardCount)

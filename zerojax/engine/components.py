@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
@@ -41,7 +40,6 @@ from zerojax.mesh import axis_sizes, group_size, owner_index
 from zerojax.engine.offload import HostOffload
 from zerojax.plan import Plan
 
-ERROR_STATE = "grad_error"  # the name (in `TrainState.stateful`) of qgZ's error feedback buffers (`zerojax.state.error_feedback.ErrorFeedback`)
 SEED = 0x5D4B  # the base key of stochastic rounding (the same in every run: the step makes it vary)
 
 
@@ -140,19 +138,6 @@ class ParamGather:
     return [jnp.zeros(lead + (l.padded // self.degree,), self.shard_dtype) for l in leaves]
 
 
-class QgzState(NamedTuple):
-  """qgZ's per-call state of one unit, defined and read by `GradReduction` only (the unit, its call orders
-  and the model adapters pass it on as `ShardedUnit.state` without looking inside).
-
-  Attributes:
-    error: error feedback's `(e_send, e_node)` buffers (LoCo §3), this device's rows; the unit's backward
-      returns the new ones as their cotangent. None without error feedback.
-    seed: stochastic rounding's uint32 key data (per layer for a scanned unit); None without it.
-  """
-  error: Any = None
-  seed: Any = None
-
-
 @dataclasses.dataclass(frozen=True)
 class GradReduction:
   """A unit's gradient reduction over A_g inside its backward (ZeRO §5.2; qgZ, ZeRO++ §3.3).
@@ -165,8 +150,9 @@ class GradReduction:
     hop_formats, stages: qgZ's wire format per hop, (intra-node, inter-node) (`comm.formats`; None:
       unquantized, always where `order` is empty) and pipeline stages; `rotate`, `backend` as for
       `ParamGather`.
-    error_feedback, stochastic_rounding: qgZ's fidelity options; each needs the unit's per-call state,
-      a `QgzState` this component builds (`unit_states`) and reads (`__call__`, `state_cotangent`).
+    error_feedback, stochastic_rounding: qgZ's fidelity options; each needs the unit's per-call state
+      (`zerojax.engine.unit.UnitState`): the errors an in-backward component keeps (LoCo §3), the
+      rounding key this component folds (`seeds`).
     owner: the plan's name, for errors.
   """
   order: tuple[str, ...]
@@ -196,38 +182,25 @@ class GradReduction:
     return jax.tree.map(lambda l: jnp.zeros(l.flat_shape(degree), self.dtype), layout_tree,
                         is_leaf=lambda x: isinstance(x, LeafLayout))
 
-  def unit_states(self, metas: dict, carried: dict, step, micro, rank) -> dict:
-    """Inside the shard_map: `{unit: QgzState or None}` for `ShardedUnit.state`. The errors are this
-    device's rows of the error feedback state in `carried` (`ERROR_STATE`, the state of the stateful
-    components updated in the backward); stochastic rounding's key is folded from the step, the
-    micro-step, the device's rank, the unit and (for a scanned unit) the layer (SDP4Bit §3): runs are
-    reproducible and no two devices, units or layers share noise."""
-    if not (self.error_feedback or self.stochastic_rounding):
-      return {u: None for u in metas}
-    errors, out = carried.get(ERROR_STATE), {}
+  def seeds(self, metas: dict, step, micro, rank) -> dict:
+    """Inside the shard_map: `{unit: stochastic rounding's key data or None}` for `UnitState.seed`, folded
+    from the step, the micro-step, the device's rank, the unit and (for a scanned unit) the layer (SDP4Bit
+    §3): runs are reproducible and no two devices, units or layers share noise."""
+    out = {}
     for j, (u, meta) in enumerate(sorted(metas.items())):
-      seed = None
+      out[u] = None
       if self.stochastic_rounding:
         key = jax.random.key(SEED)
         for x in (step, micro, rank, j):
           key = jax.random.fold_in(key, x)
         layers = meta.leaves[0].layers
-        seed = jax.random.key_data(key if layers is None else jax.random.split(key, layers))
-      out[u] = QgzState(None if errors is None else tuple(e[0] for e in errors[u]), seed)
+        out[u] = jax.random.key_data(key if layers is None else jax.random.split(key, layers))
     return out
 
-  def state_cotangent(self, state: QgzState | None, new) -> QgzState | None:
-    """The cotangent a unit's backward returns for its `state`: the new error feedback buffers (what this
-    call's quantizations dropped), zero (float0) for the rounding key."""
-    if state is None:
-      return None
-    seed = None if state.seed is None else np.zeros(state.seed.shape, jax.dtypes.float0)
-    return QgzState(new, seed)
-
-  def __call__(self, grads: Any, leaves: tuple[LeafLayout, ...], state: QgzState | None = None):
-    """`(reduced chunks, new error-feedback buffers or None)` of a unit's gradient tree."""
+  def __call__(self, grads: Any, leaves: tuple[LeafLayout, ...], error=None, seed=None):
+    """`(reduced chunks, new error-feedback buffers or None)` of a unit's gradient tree; `error`: the
+    errors to add back (`(e_send, e_node)`, LoCo §3), `seed`: stochastic rounding's key data."""
     flats = [pad_flat(g.astype(self.dtype), l) for g, l in zip(jax.tree.leaves(grads), leaves)]
-    error, seed = state if state is not None else (None, None)
     if (self.error_feedback and error is None) or (self.stochastic_rounding and seed is None):
       raise ValueError(f"plan {self.owner!r}: grad_error_feedback / stochastic_rounding need the unit's qgZ "
                        "state (ShardedUnit.state), which the executor's step passes to every unit; call the "

@@ -15,8 +15,9 @@ on more than the rank (a mask by `shape[0]`, a hyper-parameter by fan-in) or tha
 leaf's axes (Adafactor's factored moments, Muon's orthogonalisation): on a flat shard it would be
 silently wrong, and gathering each leaf for it would cost a full copy of that leaf per step.
 
-`check_units_own_params` refuses a loss that uses a parameter shard outside a unit (e.g. an L2 penalty
-on `jax.tree.leaves(params)`), whose gradient would otherwise silently be zero.
+`unit_calls` reads the units' calls from a traced loss and refuses one that uses a parameter shard
+outside a unit (e.g. an L2 penalty on `jax.tree.leaves(params)`), whose gradient would otherwise silently
+be zero.
 """
 from __future__ import annotations
 
@@ -201,27 +202,38 @@ def logical_optimizer(optimizer: optax.GradientTransformation, layout: layout_li
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def check_units_own_params(jaxpr, shards: list) -> None:
-  """Raises if a parameter shard (an input of `jaxpr`) is used other than by a unit's call.
+def unit_calls(jaxpr, shards: dict) -> dict:
+  """`{unit: (the rank of the shards each of its calls takes, ...)}`: the unit calls (`custom_vjp_call`s
+  that take a unit's parameter shards) of a loss, read through its control flow. A scanned unit's layers
+  called one by one (in a `lax.scan`) take shards without the layer axis.
 
   Args:
     jaxpr: the loss of one micro-batch, traced with the shards as inputs.
-    shards: the input variables holding parameter shards.
+    shards: `{unit: the input variables holding its parameter shards}`.
+
+  Raises:
+    ValueError: a parameter shard is used other than by a unit's call.
   """
-  bad = _outside_units(jaxpr, set(shards))
+  calls = {u: [] for u in shards}
+  bad = _outside_units(jaxpr, {v: u for u, vs in shards.items() for v in vs}, calls)
   if bad is not None:
     raise ValueError(
         f"the loss uses parameters outside a ZeRO unit (`{bad.primitive.name}` at {_where(bad)}), whose "
         "gradient would be silently zero: compute every use of a parameter inside zerojax.unit(f) (e.g. an "
         "L2 penalty as a unit of its own), or for a flax model include the module that reads it in `units`")
+  return {u: tuple(c) for u, c in calls.items()}
 
 
-def _outside_units(jaxpr, tainted: set):
+def _outside_units(jaxpr, tainted: dict, calls: dict):
+  """The first equation of `jaxpr` that uses a variable of `tainted` (`{var: unit}`) other than in a
+  unit's call, or None; each call appends the rank of its unit's shards to `calls[unit]`."""
   for eqn in jaxpr.eqns:
     ins = [i for i, v in enumerate(eqn.invars) if type(v).__name__ != "Literal" and v in tainted]
     if not ins:
       continue
     if eqn.primitive.name.startswith("custom_vjp_call"):
+      for u in dict.fromkeys(tainted[eqn.invars[i]] for i in ins):
+        calls[u].append(min(eqn.invars[i].aval.ndim for i in ins if tainted[eqn.invars[i]] == u))
       continue
     subs = [s for s, _ in sub_jaxprs(eqn)]
     if not subs:
@@ -230,10 +242,11 @@ def _outside_units(jaxpr, tainted: set):
       offset = len(eqn.invars) - len(sub.invars)
       if offset < 0:
         return eqn
-      inner = {sub.invars[i - offset] for i in ins if i >= offset}
-      bad = _outside_units(sub, inner)
+      inner = {sub.invars[i - offset]: tainted[eqn.invars[i]] for i in ins if i >= offset}
+      bad = _outside_units(sub, inner, calls)
       if bad is not None:
         return bad
-      if any(v in inner for v in sub.outvars):
-        tainted |= set(eqn.outvars)
+      passed = [inner[v] for v in sub.outvars if v in inner]
+      if passed:
+        tainted.update(dict.fromkeys(eqn.outvars, passed[0]))
   return None

@@ -40,6 +40,5 @@ def scan_layers(f: Callable, params: Any, x: Any) -> Any:
   if not meta.scanned:
     raise ValueError(f"scan_layers got an unscanned unit (leaves without a layer axis) for "
                      f"{getattr(f, '__qualname__', f)}; call it as zerojax.unit(f)(params, x)")
-  meta.calls.append(f)
   check_collectives(f, meta, [x])
   return sharded_call(PREFETCH, f, meta, params.shards, params.sinks, params.state, x)

@@ -25,6 +25,7 @@ References:
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
@@ -50,7 +51,7 @@ class UnitMeta:
     remat: the remat mode (`Schedule.remat` resolved); `prefetch` whether `scan_layers` prefetches.
     prefetch_optional: prefetch is the platform's default, not the user's setting: a scanned unit whose
       layers are called one by one (flax `nn.scan`, a user's `lax.scan`) runs per layer instead of
-      raising, and the call is recorded in `fallbacks`.
+      raising (the step's probe lists it: `zerojax.executor.step.Probe`).
     axis_sizes: the mesh's `(axis, size)` pairs.
     treedef, leaves: the unit's parameter tree and its leaves' layouts.
     sync_axes: MiCS §3.4 overlapped: in the last micro-step of a window, the backward also all-reduces
@@ -67,8 +68,51 @@ class UnitMeta:
   sync_axes: tuple[str, ...] = ()
   scanned: bool = False
   prefetch_optional: bool = False
-  calls: list = dataclasses.field(default_factory=list, init=False, compare=False, hash=False, repr=False)
-  fallbacks: list = dataclasses.field(default_factory=list, compare=False, hash=False, repr=False)
+
+
+class StateKey(abc.ABC):
+  """A component that carries per-unit state through the units' backward, and the typed key of that state
+  (equinox's `StateIndex`: the component owns its key; the engine names no state). The step puts the
+  component's value for each unit in `UnitState.keyed` under the component itself; the unit's backward
+  gives the value back to it (`backward`) and returns the new value, under the same key, as the old
+  value's cotangent: the state the next micro-step gets (so values are inexact arrays: an integer's
+  cotangent is float0). Keys sort by their class's name, so a unit's state flattens alike in every trace,
+  and hash by identity (a dataclass key keeps `eq=False`)."""
+
+  def error(self, value):
+    """What `value` gives the unit's gradient reduction as the errors it adds back (qgZ's error feedback,
+    LoCo §3), or None; at most one key of a unit gives them."""
+    return None
+
+  @abc.abstractmethod
+  def backward(self, value, grads, reduced, dropped):
+    """After one call's gradient reduction: the new value, shaped as `value`, from `grads` (the unit's
+    local gradient tree), `reduced` (its chunks reduced over A_g) and `dropped` (what the reduction's
+    quantizations dropped given `error`'s errors; None without them)."""
+
+  def __lt__(self, other):
+    name = lambda k: f"{type(k).__module__}.{type(k).__qualname__}"
+    return name(self) < name(other)
+
+
+class UnitState(NamedTuple):
+  """A unit's per-call state (`ShardedUnit.state`).
+
+  Attributes:
+    keyed: `{StateKey: value}`, the per-unit state of each component carried through the backward (a
+      scanned unit's values lead with the layer axis).
+    seed: the gradient reduction's stochastic-rounding key data (`GradReduction.seeds`), or None.
+  """
+  keyed: dict
+  seed: Any = None
+
+
+def state_cotangent(state: UnitState | None, new: dict) -> UnitState | None:
+  """The cotangent of a unit's `state`: each key's new value, zero (float0) for the rounding key."""
+  if state is None:
+    return None
+  seed = None if state.seed is None else np.zeros(state.seed.shape, jax.dtypes.float0)
+  return UnitState(new, seed)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -80,15 +124,14 @@ class ShardedUnit:
     shards: list of local parameter shards `[padded / |A_p|]` (param dtype), one per leaf.
     sinks: list of zero gradient sinks `[padded / |A_g|]` (reduce dtype), one per leaf.
     meta: static `UnitMeta`.
-    state: the gradient reduction's per-call state, opaque here: what `GradReduction.unit_states` builds
-      (error feedback's buffers, stochastic rounding's key) and reads; the backward returns
-      `GradReduction.state_cotangent` as its cotangent. None when the plan keeps none.
+    state: the unit's per-call `UnitState`; the backward returns `state_cotangent` as its cotangent.
+      None when the step carries none.
   For a scanned unit every array has a leading layer axis; `lax.scan` over a `ShardedUnit` slices it.
   """
   shards: list
   sinks: list
   meta: UnitMeta
-  state: Any = None
+  state: UnitState | None = None
 
   def tree_flatten(self):
     return (self.shards, self.sinks, self.state), self.meta
@@ -103,12 +146,19 @@ def params_tree(meta: UnitMeta, flats: list) -> Any:
   return meta.gather.params(meta.treedef, meta.leaves, flats)
 
 
-def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, state: Any = None):
-  """`(reduced chunks, what the reduction returns for its state)`: the gradient reduced over A_g; with `window`
-  (the accumulated sinks of the window's last micro-step) also all-reduced over the replica axes, the
-  sync of MiCS §3.4 overlapped with the rest of the backward (`sync_replicas`). `PREFETCH` calls the
-  two halves apart (window None, then `sync_replicas`), to let layer i's backward wait between them."""
-  dsinks, new = meta.reduction(dparams, meta.leaves, state)
+def reduce_and_sync(meta: UnitMeta, dparams: Any, window: list | None, state: UnitState | None = None):
+  """`(reduced chunks, {StateKey: new value})`: the gradient reduced over A_g (with the errors a key of
+  `state` gives and its rounding seed), each key's new value; with `window` (the accumulated sinks of the
+  window's last micro-step) also all-reduced over the replica axes, the sync of MiCS §3.4 overlapped with
+  the rest of the backward (`sync_replicas`). `PREFETCH` calls the two halves apart (window None, then
+  `sync_replicas`), to let layer i's backward wait between them."""
+  keyed, seed = state if state is not None else ({}, None)
+  errors = [e for e in (k.error(v) for k, v in keyed.items()) if e is not None]
+  if len(errors) > 1:
+    raise ValueError(f"{sorted(type(k).__name__ for k in keyed)}: more than one gives the unit's gradient "
+                     "reduction errors to add back; it adds back one")
+  dsinks, dropped = meta.reduction(dparams, meta.leaves, errors[0] if errors else None, seed)
+  new = {k: k.backward(v, dparams, dsinks, dropped) for k, v in keyed.items()}
   return sync_replicas(meta, dsinks, window), new
 
 
@@ -177,9 +227,9 @@ class CallOrder(NamedTuple):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def sharded_call(order: CallOrder, f, meta, shards, sinks, state, *args):
   """The one engine of a unit: `order`'s forward and backward as a `jax.custom_vjp` whose
-  differentiated inputs are the shards, the gradient sinks, the reduction's state and `args`. The shards'
-  cotangent is zero, the sinks' is the reduced gradient, the state's what the reduction makes of it
-  (`GradReduction.state_cotangent`)."""
+  differentiated inputs are the shards, the gradient sinks, the unit's state and `args`. The shards'
+  cotangent is zero, the sinks' is the reduced gradient, the state's each key's new value
+  (`state_cotangent`)."""
   del sinks, state
   return order.forward(f, meta, shards, args, False)[0]
 
@@ -192,7 +242,7 @@ def _engine_fwd(order, f, meta, shards, sinks, state, *args):
 def _engine_bwd(order, f, meta, residuals, g):
   residual, window, state = residuals
   dshards, dsinks, new, dargs = order.backward(f, meta, residual, window, state, g)
-  return (dshards, dsinks, meta.reduction.state_cotangent(state, new), *dargs)
+  return (dshards, dsinks, state_cotangent(state, new), *dargs)
 
 
 sharded_call.defvjp(_engine_fwd, _engine_bwd)
@@ -311,13 +361,11 @@ def unit(f: Callable) -> Callable:
   @functools.wraps(f)
   def apply(params, *args, **kwargs):
     if isinstance(params, ShardedUnit):
-      if params.meta.prefetch and params.meta.scanned and params.meta.prefetch_optional:
-        params.meta.fallbacks.append(getattr(f, "__qualname__", repr(f)))  # per layer, as prefetch=False
-      elif params.meta.prefetch and params.meta.scanned:
+      meta = params.meta  # a scanned unit's layers one by one under the default prefetch: per layer
+      if meta.prefetch and meta.scanned and not meta.prefetch_optional:
         raise ValueError(f"prefetch=True: a scanned unit's layers are called one by one (lax.scan or "
                          f"flax nn.scan) by {getattr(f, '__qualname__', f)}; run the stack with "
                          "zerojax.scan_layers(f, params, x), or set prefetch=False")
-      params.meta.calls.append(f)
       leaves, treedef = jax.tree.flatten((args, kwargs))
       g = _Bound(f, treedef, tuple(_ARRAY if _is_array(x) else x for x in leaves))
       arrays = [x for x in leaves if _is_array(x)]

@@ -41,13 +41,15 @@ from jax.sharding import Mesh
 from zerojax.engine import components as components_lib, layout as layout_lib, logical as logical_lib
 from zerojax import mesh as mesh_lib
 from zerojax.executor.states import TrainStates
-from zerojax.executor.step import StepMetrics, Steps  # noqa: F401  (StepMetrics re-exported)
+from zerojax.executor.step import Probe, StepMetrics, Steps
 from zerojax.mesh import axis_sizes
 from zerojax.engine.model import Model, user_views
 from zerojax.state.placement import Placement
 from zerojax.plan import Plan
 from zerojax.state.train_state import TrainState, stateful_components
 from zerojax.engine.unit import UnitMeta
+
+__all__ = ["Executor", "Model", "Probe", "StepMetrics"]  # StepMetrics and Model re-exported
 
 
 class Executor:
@@ -192,10 +194,17 @@ class Executor:
     """Raises a one-line error for a batch the step cannot shard (`Steps.check_batch`)."""
     self.steps.check_batch(batch)
 
+  def probe(self, state: TrainState, batch) -> Probe:
+    """What the model's loss does with its units, read from one trace of it (`Steps.probe`); `batch`
+    as the step takes it (`shard_batch`), arrays or `ShapeDtypeStruct`s."""
+    return self.steps.probe(state, batch)
+
   def prefetch_fallbacks(self) -> dict[str, str]:
     """`{unit: why}` for the scanned units that run per layer although the plan prefetches by default
-    (their layers are called one by one: flax `nn.scan`, a `lax.scan` of `zerojax.engine.unit`); known once a
-    step or eval program has been traced. An explicit `prefetch=True` raises for such a unit instead."""
-    return {u: f"its layers are called one by one by {m.fallbacks[0]} (not zerojax.scan_layers): each "
-               "layer gathers when it runs (prefetch off for this unit)"
-            for u, m in self.metas.items() if m.fallbacks}
+    (their layers are called one by one: flax `nn.scan`, a `lax.scan` of `zerojax.engine.unit`;
+    `Probe.per_layer`); known once the step has run or been lowered (`Steps.probed`). An explicit
+    `prefetch=True` raises for such a unit instead."""
+    probe = self.steps.probed
+    return {u: "its layers are called one by one (flax nn.scan or a lax.scan of zerojax.unit, not "
+               "zerojax.scan_layers): each layer gathers when it runs (prefetch off for this unit)"
+            for u in (probe.per_layer if probe is not None else ())}

@@ -25,12 +25,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import gpu_aot
 from zerojax.engine import layout as layout_lib, logical as logical_lib, offload as offload_lib
-from zerojax.engine.components import Components
+from zerojax.engine.components import Components, GradReduction
 from zerojax.engine.model import Model, call_loss
 from zerojax.state.placement import Placement
 from zerojax.state.stateful import InBackward, Phased, ReplacesWeights, SyncsReplicas, keep
 from zerojax.state.train_state import TrainState
-from zerojax.engine.unit import ShardedUnit
+from zerojax.engine.unit import ShardedUnit, UnitState, shard_cotangents
 from zerojax.executor.offload_update import StreamedUpdate
 
 
@@ -39,6 +39,23 @@ class StepMetrics(NamedTuple):
   grad_norm: jax.Array
   finite: jax.Array
   aux: Any = None        # the loss's aux, averaged over micro-batches and devices (`Model.has_aux`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+  """What the model's loss does with its units, read from one trace of a micro-batch's loss (`Steps.probe`)
+  before any program is traced; tracing a program then writes nothing.
+
+  Attributes:
+    calls: `((unit, calls per micro-batch), ...)`; every use of a parameter shard is a unit's call.
+    per_layer: the scanned units whose layers the model calls one by one (flax `nn.scan`, a `lax.scan` of
+      `zerojax.unit`) although the plan prefetches by default: they run per layer.
+    reduction: the gradient reduction the step runs (`Steps._gradient_reduction`); its dtype is the
+      gradient's.
+  """
+  calls: tuple[tuple[str, int], ...]
+  per_layer: tuple[str, ...]
+  reduction: GradReduction
 
 
 class Steps:
@@ -69,39 +86,45 @@ class Steps:
     self.world = self.mesh.size
     self.batch_axes = tuple(self.mesh.axis_names)  # the batch is sharded over every device
     self.batch_sharding = NamedSharding(self.mesh, P(None, self.batch_axes))
-    self._step, self._reduction = None, None
+    self._step = None
+    self.probed: Probe | None = None  # the probe the step runs before its first program (`probe`)
     self.streamed = StreamedUpdate(model, optimizer, user_optimizer, layout, components.reduction.dtype, placement,
                                    streams=placement.offload.streams(bool(stateful)))
 
-  def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None) -> dict:
-    reduction = self._reduction or self.components.reduction
+  def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None,
+             reduction: GradReduction | None = None) -> dict:
+    reduction = reduction or self.components.reduction
     metas = {u: dataclasses.replace(m, sync_axes=sync_axes, reduction=reduction) for u, m in self.metas.items()}
     state = state or {}
     return {u: ShardedUnit(jax.tree.leaves(p_shards[u]), jax.tree.leaves(sinks[u]), metas[u],
                            state.get(u)) for u in p_shards}
 
-  def _local_grads(self, master, batch, step=None, rng=None, mutable=None, local=None, phase="dense"):
+  def _local_grads(self, master, batch, step=None, rng=None, mutable=None, local=None, phase="dense", *,
+                   probe: Probe):
     """shard_map body: master shard (over A_os), local batch, the step, the run's rng, the mutable
     collections and `{name: what each stateful component's body_in passes}` -> reduced gradient shard,
     mean loss, mean aux, device-averaged mutable collections, `{name: the component's output}`."""
-    model, local, parts = self.model, local or {}, self.components
-    carried = {n: local[n] for n, c in self.stateful.items() if isinstance(c, InBackward)}  # through the backward
+    model, local, parts, reduction = self.model, local or {}, self.components, probe.reduction
+    in_backward = {n: c for n, c in self.stateful.items() if isinstance(c, InBackward)}
+    carried = {n: local[n] for n in in_backward}  # through the backward: its cotangent is the new state
     syncer = next((c for c in self.stateful.values() if isinstance(c, SyncsReplicas) and phase in c.phases), None)
     master = self.placement.local(master)  # this device's copy
     p_shards = parts.gather.from_master(master)  # step 0
     rank = lax.axis_index(self.batch_axes)  # node-major, as the batch is sharded
     key = lambda i: None if rng is None else jax.random.fold_in(
         jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), step), i), rank)
-    if self._reduction is None:  # once per executor: every use of a parameter shard is a unit's
-      mb, traced = jax.tree.map(lambda x: x[0], batch), {}
-      wide = parts.reduction.sinks(self.layout.tree())
-      jaxpr = jax.make_jaxpr(lambda sh: call_loss(
-          model, traced.setdefault("u", self._units(sh, wide)), mb, key(0), mutable)[0])(p_shards)
-      logical_lib.check_units_own_params(jaxpr.jaxpr, jaxpr.jaxpr.invars)
-      self._reduction = self._gradient_reduction(traced["u"])
-    zeros_g = self._reduction.sinks(self.layout.tree())
+    for c in in_backward.values():  # the state is each unit's one backward's cotangent
+      self._check_single_calls(probe, c.setting)
+    if parts.sync.in_backward and syncer is None:
+      self._check_single_calls(probe)
+    zeros_g = reduction.sinks(self.layout.tree())
 
-    state = lambda e, i: parts.reduction.unit_states(self.metas, e, step, i, rank)
+    def state(carried, i):
+      """`{unit: UnitState or None}`: each in-backward component's value under its key, the rounding seed."""
+      keyed = {c: c.unit_states(carried[n]) for n, c in in_backward.items()}
+      seeds = parts.reduction.seeds(self.metas, step, i, rank)
+      return {u: UnitState({c: v[u] for c, v in keyed.items()}, seeds[u]) if keyed or seeds[u] is not None
+              else None for u in self.metas}
 
     def micro(acc, mut, err, mb, i, sync_axes=()):
       """One micro-batch's forward and backward: each unit reduces its gradient into its sinks. With
@@ -109,16 +132,11 @@ class Steps:
       accumulated gradient, which each unit's backward adds to its own and all-reduces over the replicas."""
       units = {}
       def f(s, e):
-        u = units.setdefault("u", self._units(p_shards, s, sync_axes, state(e, i)))
+        u = units.setdefault("u", self._units(p_shards, s, sync_axes, state(e, i), reduction))
         loss, aux, new = call_loss(model, u, mb, key(i), mut)
         return loss, (aux, new)
       sinks = acc if sync_axes else zeros_g
       (loss, (aux, mut)), (g, err) = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(sinks, err)
-      if sync_axes:
-        self._check_single_calls(units["u"])
-      for c in self.stateful.values():  # the state is each unit's one backward's cotangent
-        if isinstance(c, InBackward):
-          self._check_single_calls(units["u"], c.setting)
       return (g if sync_axes else jax.tree.map(jnp.add, acc, g)), mut, err, loss, aux
 
     def scanned(carry, xs):
@@ -155,7 +173,34 @@ class Steps:
     grads, loss, aux = self.placement.per_copy((grads, loss, aux))
     return grads, loss, aux, mutable, out
 
-  def _gradient_reduction(self, units: dict):
+  def probe(self, state: TrainState, batch) -> Probe:
+    """The `Probe` of one trace of a micro-batch's loss on the parameter shards, outside any program: how
+    often each unit is called, which run per layer, the gradient reduction the step runs; raises where
+    the loss uses a parameter shard outside a unit (`logical.unit_calls`). `state` and `batch` (leaves
+    `[accum_steps, global_batch, ...]`) are read for their shapes only."""
+    shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    shards = jax.eval_shape(lambda: {u: shard_cotangents(m, m.leaves[0].layers) for u, m in self.metas.items()})
+    mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[1] // self.world, *x.shape[2:]), x.dtype), batch)
+
+    def loss(shards, mb, rng, mutable):
+      units = self._units(shards, self.components.reduction.sinks(self.layout.tree()))
+      return call_loss(self.model, units, mb, None if rng is None else jax.random.wrap_key_data(rng), mutable)[0]
+    jaxpr = jax.make_jaxpr(loss, axis_env=list(self.mesh.shape.items()))(
+        shards, mb, jax.tree.map(shape, state.rng), jax.tree.map(shape, state.mutable)).jaxpr
+    invars, of_unit = iter(jaxpr.invars), {}
+    for u in sorted(shards):
+      of_unit[u] = [next(invars) for _ in jax.tree.leaves(shards[u])]
+    calls = logical_lib.unit_calls(jaxpr, of_unit)
+    per_layer = tuple(u for u, m in sorted(self.metas.items()) if m.prefetch and m.scanned and 1 in calls[u])
+    counts = tuple((u, len(c)) for u, c in sorted(calls.items()))
+    return Probe(counts, per_layer, self._gradient_reduction(counts))
+
+  def _probe_once(self, state: TrainState, batch) -> Probe:
+    if self.probed is None:
+      self.probed = self.probe(state, batch)
+    return self.probed
+
+  def _gradient_reduction(self, calls: tuple):
     """The reduction the step's units run: the plan's, or where no collective reduces the gradient, one
     micro-step makes the whole window, no component syncs the replicas' gradients and every unit is called
     once (a second call's gradient would be added to the first in the sink's dtype), the plan's kept in
@@ -165,7 +210,7 @@ class Steps:
     r, computed = parts.reduction, parts.gather.compute_dtype
     if (parts.reduces or self.accum_steps > 1 or jnp.dtype(computed).itemsize >= jnp.dtype(r.dtype).itemsize
         or any(isinstance(c, SyncsReplicas) for c in self.stateful.values())
-        or any(len(u.meta.calls) > 1 for u in units.values())):
+        or any(n > 1 for _, n in calls)):
       return r
     return r.kept_in(computed)
 
@@ -179,14 +224,14 @@ class Steps:
     return "dense"
 
   @staticmethod
-  def _check_single_calls(units: dict, field: str = "sync_in_backward=True") -> None:
-    for name, u in units.items():
-      if len(u.meta.calls) > 1:
-        raise ValueError(f"unit {name!r} is called {len(u.meta.calls)} times per micro-batch; the plan's "
+  def _check_single_calls(probe: Probe, field: str = "sync_in_backward=True") -> None:
+    for name, n in probe.calls:
+      if n > 1:
+        raise ValueError(f"unit {name!r} is called {n} times per micro-batch; the plan's "
                          f"{field} needs one call per unit: set it to False in the plan, or make each call "
                          "its own unit")
 
-  def _train_step(self, state: TrainState, batch, phase: str = "dense"):
+  def _train_step(self, state: TrainState, batch, phase: str = "dense", *, probe: Probe):
     where = self.placement
     offload = where.offload  # offloaded fields come to the device where read, then go back
     host = state
@@ -197,7 +242,7 @@ class Steps:
     out_specs = {n: c.body_out_specs(phase) for n, c in self.stateful.items()}
     per = where.spec()  # the loss and aux: one per copy
     grads, loss, aux, mutable, out = jax.shard_map(
-        functools.partial(self._local_grads, phase=phase), mesh=self.mesh,
+        functools.partial(self._local_grads, phase=phase, probe=probe), mesh=self.mesh,
         in_specs=(where.param_specs, data, P(), P(), P(), {n: s for n, (_, s) in body_in.items()}),
         out_specs=(where.param_specs, per, per, P(), out_specs), check_vma=False)(
             state.params, batch, state.step, state.rng, state.mutable, {n: v for n, (v, _) in body_in.items()})
@@ -247,26 +292,29 @@ class Steps:
     `phase(state)`, each compiled on first use; `step.lower(state, batch, phase=None)` lowers one
     (default: a replica sync's steady state, `SyncsReplicas.phases[-1]`, else "dense"), `step.trace` traces it. On GPUs it
     compiles with `zerojax.gpu_aot.GPU_COMPILER_OPTIONS`. `state_shardings`: `TrainStates.shardings()`.
+    Before its first program the step runs its `probe` once (kept in `probed`).
     """
     if self._step is None:
       sh, programs = state_shardings, {}
       # Per-replica metrics stay on their replica's devices: gathering them would cross nodes.
       metrics = NamedSharding(self.mesh, self.placement.spec())
 
-      def program(phase):
+      def program(phase, state, batch):
+        probe = self._probe_once(state, batch)
         if phase not in programs:
-          programs[phase] = jax.jit(functools.partial(self._train_step, phase=phase),
+          programs[phase] = jax.jit(functools.partial(self._train_step, phase=phase, probe=probe),
                                     in_shardings=(sh, self.batch_sharding),
                                     out_shardings=(sh, metrics), donate_argnums=0,
                                     compiler_options=self.compiler_options(sh) or None)
         return programs[phase]
 
       def step(state, batch):
-        state, metrics = program(self.phase(state))(state, self.shard_batch(batch))
+        phase, batch = self.phase(state), self.shard_batch(batch)
+        state, metrics = program(phase, state, batch)(state, batch)
         return state, self.placement.summarize(metrics)  # per copy -> one value each
       default = next((c.phases[-1] for c in self.stateful.values() if isinstance(c, SyncsReplicas)), "dense")
-      step.lower = lambda state, batch, phase=None: program(phase or default).lower(state, batch)
-      step.trace = lambda state, batch, phase=None: program(phase or default).trace(state, batch)
+      step.lower = lambda state, batch, phase=None: program(phase or default, state, batch).lower(state, batch)
+      step.trace = lambda state, batch, phase=None: program(phase or default, state, batch).trace(state, batch)
       self._step = step
     return self._step
 

@@ -126,7 +126,8 @@ def _matches(module, path, units) -> bool:
 
 def check_unit_state(meta, state, where: str) -> None:
   """A scanned unit whose layers flax calls one by one (nn.scan) cannot get its layer's slice of the
-  reduction's per-call state (`ShardedUnit.state`: qgZ's error feedback, stochastic rounding)."""
+  unit's per-call state (`ShardedUnit.state`: the in-backward components' values, e.g. qgZ's error
+  feedback, and stochastic rounding's key)."""
   if state is not None and meta.scanned:
     raise ValueError(f"{where}: grad_error_feedback / stochastic_rounding need each layer's qgZ state, but "
                      "flax calls this scanned unit's layers one by one; make each layer its own unit (units=...) "

@@ -1,5 +1,5 @@
-"""qgZ's error feedback buffers as train state (the per-call state a unit gets is `components.QgzState`,
-built by `GradReduction.unit_states`).
+"""qgZ's error feedback buffers as train state, and the in-backward component that hands each unit its
+buffers and keeps what its reduction dropped (`ErrorFeedback`, a `zerojax.engine.unit.StateKey`).
 
 `Reduction.grad_error_feedback` keeps, per unit and device, what qgZ's two quantizations dropped at the last
 micro-step (LoCo §3): `e_send`, one fp32 copy of the unit's local gradient buffer (all its leaves packed,
@@ -9,7 +9,7 @@ device, sharded over all mesh axes (`ErrorFeedback`, a `zerojax.state.stateful` 
 as held (the same mesh and plan resume bitwise, any other starts the errors from zero).
 
 `Reduction.stochastic_rounding` needs no train state: its key is folded from the step, the micro-step,
-the device's rank, the unit and the layer (`GradReduction.unit_states`).
+the device's rank, the unit and the layer (`GradReduction.seeds`).
 
 References:
   LoCo: Xie et al. 2024, §3 (error feedback for low-bit gradient communication).
@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax import mesh as mesh_lib
-from zerojax.engine.components import ERROR_STATE
 from zerojax.state.stateful import InBackward, Stored, keep
 
 
@@ -35,13 +34,15 @@ from zerojax.state.stateful import InBackward, Stored, keep
 class ErrorFeedback(InBackward):
   """qgZ's error feedback as a stateful component (`zerojax.state.stateful`): `{unit: (e_send, e_node)}`,
   each a global array `[devices, (layers,) n]` sharded over all mesh axes, carried through the units'
-  backward every micro-step (`InBackward`; the new errors are the cotangent of the old ones).
+  backward every micro-step (`InBackward`): each unit's reduction adds back this device's rows
+  (`error`) and the new errors, what its quantizations dropped, are the cotangent of the old ones
+  (`backward`).
 
   Attributes:
     mesh: the executor's mesh.
     shapes: `{unit: (e_send, e_node)}` global `ShapeDtypeStruct`s.
   """
-  name = ERROR_STATE
+  name = "grad_error"
   setting = "grad_error_feedback=True"
 
   mesh: Mesh
@@ -76,6 +77,16 @@ class ErrorFeedback(InBackward):
 
   def body_out_specs(self, phase):
     return self.specs()
+
+  def unit_states(self, local):
+    """This device's row of each unit's `(e_send, e_node)`."""
+    return {u: tuple(e[0] for e in errors) for u, errors in local.items()}
+
+  def error(self, value):
+    return value
+
+  def backward(self, value, grads, reduced, dropped):
+    return dropped
 
   def update(self, state, out, updates, step, finite, phase):
     return keep(finite, out, state)

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from zerojax.engine.unit import StateKey
+
 
 def same(x):
   return x
@@ -135,9 +137,18 @@ class Stateful(abc.ABC):
     """How each leaf of the state is checkpointed, in the order of `jax.tree.leaves(state)`."""
 
 
-class InBackward(Stateful):
+class InBackward(Stateful, StateKey):
   """Capability: the units' backward updates the state every micro-step, as the cotangent of the old
-  (qgZ's error feedback). `body_in` passes this device's part into the step's `shard_map`."""
+  (qgZ's error feedback). `body_in` passes this device's part into the step's `shard_map`; there the
+  component builds each unit's value (`unit_states`), which reaches the unit under the component's own
+  key (`zerojax.engine.unit.StateKey`: `error`, `backward`); the body's output is the cotangent of its
+  part, each unit's new value in place of the old."""
+
+  @abc.abstractmethod
+  def unit_states(self, local) -> dict:
+    """Inside the body: `{unit: value}` from `local`, what `body_in` passed (a scanned unit's value leads
+    with the layer axis). Each unit is called once per micro-step, so the cotangent of `local` is the
+    new state."""
 
 
 class Phased(Stateful):
