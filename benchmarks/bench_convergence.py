@@ -1,71 +1,107 @@
-"""ZeRO++ convergence ablation (ZeRO++ §5.4, Table 5, Fig. 14): final eval loss of each technique.
+"""Convergence: each plan's final held-out loss against its dense reference, seed by seed.
 
-Trains the default model on the default data for the same budget with ZeRO-3, qwZ, hpZ, qgZ, qwZ+hpZ,
-all three, and all three with non-blocked quantization (one scale per shard), each as its own
-`train.py` process in a fresh workdir (never a stale checkpoint), then prints one JSON object and writes
-a PNG of the loss curves.
+Every run is `train.py` on the default model and data (`configs/base.gin`: a 4-layer byte-level GPT on the
+Python standard library's sources, batch 32 x 128) with 8 CPU devices as 2 nodes x 4, in its own process
+and a fresh temporary workdir (never a stale checkpoint; no checkpoints written). For every seed
+(`train.seed`: the initial parameters and the data order) the dense references and the plans run
+interleaved, seed-major: seed 0's references, then seed 0's plans, then seed 1's, ... A plan's gap at a
+seed is its final eval loss over its dense reference's at the same seed, in percent; per plan the JSON
+holds the per-seed gaps, their mean, min, max and standard deviation, and every run's losses, step time
+and wall time, with the corpus, steps, batch, mesh, gin settings, jax version and git commit. A failed run
+is recorded with its error and the benchmark goes on; the JSON is rewritten after every run, so a stopped
+benchmark keeps what it finished.
 
-The int4 ablation (`--variants int4`): int4 weights and int4 gradients (`int4`: ZeRO++ with
-weight_bits=4), then each fidelity option alone (`+ef` error feedback, `+rotate`, `+sr` stochastic
-rounding, `+hops` int8 intra-node / int4 inter-node), pairs and triples with `+hops`, and the best
-combination (`int4_best`, which is `configs/zeropp_int4.gin`: int4 weights and `+hops`), against
-ZeRO-3 and ZeRO++'s default. Each variant's per-step wire bytes per
-device (all and cross-node) are computed from the plan's formats (`wire_bytes`).
+The dense reference of a plan is the same plan with its compression off:
+  zero3  (configs/zero3.gin): for ZeRO++ and its variants (qwZ, qgZ off; hpZ alone is bitwise ZeRO-3).
+  mics   (configs/mics.gin, one node per partition group): for MiCS + Radius (dense replica all-reduce)
+         and DiLoCo over MiCS (replicas synced every step).
 
-  python benchmarks/bench_convergence.py [--steps 200] [--seeds 0,1,2] [--variants zeropp|int4|a,b,...]
+Plans (`--plans`: names or groups, comma-separated; default the group `default`):
+  default:        zeropp, zeropp_int4, mics_radius, diloco_mics (the shipped lossy plans).
+  ablation:       ZeRO++'s ablation (ZeRO++ §5.4, Table 5): qwz, hpz, qgz, qwz+hpz, zeropp,
+                  zeropp_nonblocked (one scale per shard).
+  int4_ablation:  int4 weights and gradients with each fidelity option (docs/fidelity.md): int4, int4+ef,
+                  int4+rotate, int4+sr, int4+hops (= zeropp_int4), pairs and triples with +hops.
+The ZeRO-3-referenced plans also get their per-step wire bytes per device from their formats (`wire_bytes`).
+
+  python benchmarks/bench_convergence.py [--seeds 3] [--steps 300] [--plans default|ablation|int4_ablation|a,b]
+      [--out benchmarks/convergence.json] [--png PNG] [--gin_param NAME=VALUE ...]
 """
+from __future__ import annotations
+
 import argparse
+import datetime
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = {
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from common import error_text  # noqa: E402
+
+# The dense references: a plan's own layout with nothing compressed.
+REFERENCES = {
     "zero3": ["configs/zero3.gin"],
-    "qwz": ["configs/qwz.gin"],
-    "hpz": ["configs/hpz.gin"],
-    "qgz": ["configs/qgz.gin"],
-    "qwz+hpz": ["configs/zeropp.gin", "zeropp.grad_bits=None"],
-    "zeropp": ["configs/zeropp.gin"],
-    "zeropp_nonblocked": ["configs/zeropp.gin", "zeropp.weight_block=0", "zeropp.grad_block=0"],
-    "int4": ["configs/zeropp.gin", "zeropp.weight_bits=4"],
-    "int4+ef": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_error_feedback=True"],
-    "int4+rotate": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.rotate=True"],
-    "int4+sr": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.stochastic_rounding=True"],
-    "int4+hops": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)"],
-    "int4+hops+rotate": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)", "zeropp.rotate=True"],
-    "int4+hops+sr": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
-                     "zeropp.stochastic_rounding=True"],
-    "int4+hops+ef": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
-                     "zeropp.grad_error_feedback=True"],
-    "int4+hops+rotate+ef": ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
-                            "zeropp.rotate=True", "zeropp.grad_error_feedback=True"],
-    "int4_best": ["configs/zeropp_int4.gin"],
+    "mics": ["configs/mics.gin"],
 }
-GROUPS = {"zeropp": ["zero3", "qwz", "hpz", "qgz", "qwz+hpz", "zeropp", "zeropp_nonblocked"],
-          "int4": ["zero3", "zeropp", "int4", "int4+ef", "int4+rotate", "int4+sr", "int4+hops", "int4_best"]}
+# name: (reference, [gin file, gin params...])
+PLANS = {
+    # the shipped lossy plans
+    "zeropp": ("zero3", ["configs/zeropp.gin"]),
+    "zeropp_int4": ("zero3", ["configs/zeropp_int4.gin"]),
+    "mics_radius": ("mics", ["configs/mics_radius.gin", "radius.density=0.4", "radius.period=20",
+                             "radius.dense_steps=30"]),
+    "diloco_mics": ("mics", ["configs/diloco_mics.gin", "diloco.every=10"]),
+    # ZeRO++'s ablation
+    "qwz": ("zero3", ["configs/qwz.gin"]),
+    "hpz": ("zero3", ["configs/hpz.gin"]),
+    "qgz": ("zero3", ["configs/qgz.gin"]),
+    "qwz+hpz": ("zero3", ["configs/zeropp.gin", "zeropp.grad_bits=None"]),
+    "zeropp_nonblocked": ("zero3", ["configs/zeropp.gin", "zeropp.weight_block=0", "zeropp.grad_block=0"]),
+    # int4 weights and gradients, fidelity options
+    "int4": ("zero3", ["configs/zeropp.gin", "zeropp.weight_bits=4"]),
+    "int4+ef": ("zero3", ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_error_feedback=True"]),
+    "int4+rotate": ("zero3", ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.rotate=True"]),
+    "int4+sr": ("zero3", ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.stochastic_rounding=True"]),
+    "int4+hops": ("zero3", ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)"]),
+    "int4+hops+rotate": ("zero3", ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
+                                   "zeropp.rotate=True"]),
+    "int4+hops+sr": ("zero3", ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
+                               "zeropp.stochastic_rounding=True"]),
+    "int4+hops+ef": ("zero3", ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
+                               "zeropp.grad_error_feedback=True"]),
+    "int4+hops+rotate+ef": ("zero3", ["configs/zeropp.gin", "zeropp.weight_bits=4", "zeropp.grad_bits=(8, 4)",
+                                      "zeropp.rotate=True", "zeropp.grad_error_feedback=True"]),
+}
+GROUPS = {
+    "default": ["zeropp", "zeropp_int4", "mics_radius", "diloco_mics"],
+    "ablation": ["qwz", "hpz", "qgz", "qwz+hpz", "zeropp", "zeropp_nonblocked"],
+    "int4_ablation": ["zeropp", "int4", "int4+ef", "int4+rotate", "int4+sr", "int4+hops", "zeropp_int4"],
+}
 
-# The default model's parameters and the mesh of train.py's default (2 nodes x 4 devices).
+# The mesh of train.py's default on CPUs (2 nodes x 4 devices).
 NODES, GPUS = 2, 4
 
 
-def wire_bytes(name: str, params: int) -> dict:
-  """Per-step bytes one device sends, from the variant's formats (ring all-gathers, all-to-alls; each
-  quantized block adds a 4-byte scale): forward gather over all devices (qwZ bits or bf16), backward
-  gather (hpZ: bf16 inside the node; else as forward), gradient reduce-scatter (fp32, or qgZ's two
-  hops). Returns {"total_MB", "cross_node_MB"} (cross-node: the share of each collective's peers on
-  another node, the uniform-peer model of `zerojax.analysis.wire_model`)."""
-  kv = dict(p.split("=", 1) for p in VARIANTS[name][1:])
-  gin = VARIANTS[name][0]
-  w_bits = {"zero3.gin": None, "hpz.gin": None, "qgz.gin": None}.get(os.path.basename(gin), 8)
-  w_bits = {"zeropp_int4.gin": 4}.get(os.path.basename(gin), w_bits)
+def wire_bytes(spec: list[str], params: int) -> dict:
+  """Per-step bytes one device sends, from a ZeRO-3/ZeRO++ config's formats (ring all-gathers,
+  all-to-alls; each quantized block adds a 4-byte scale): forward gather over all devices (qwZ bits or
+  bf16), backward gather (hpZ: bf16 inside the node; else as forward), gradient reduce-scatter (fp32, or
+  qgZ's two hops). Returns {"total_MB", "cross_node_MB"} (cross-node: the share of each collective's peers
+  on another node, the uniform-peer model of `zerojax.analysis.wire_model`)."""
+  gin, kv = os.path.basename(spec[0]), dict(p.split("=", 1) for p in spec[1:])
+  w_bits = {"zero3.gin": None, "hpz.gin": None, "qgz.gin": None}.get(gin, 8)
+  w_bits = {"zeropp_int4.gin": 4}.get(gin, w_bits)
   w_bits = None if kv.get("zeropp.weight_bits") == "None" else int(kv.get("zeropp.weight_bits", w_bits or 0)) or None
-  hpz = os.path.basename(gin) in ("zeropp.gin", "zeropp_int4.gin", "hpz.gin")
-  g = kv.get("zeropp.grad_bits", {"zeropp_int4.gin": "(8, 4)", "zeropp.gin": "4", "qgz.gin": "4"}.get(
-      os.path.basename(gin), "None"))
+  hpz = gin in ("zeropp.gin", "zeropp_int4.gin", "hpz.gin")
+  g = kv.get("zeropp.grad_bits", {"zeropp_int4.gin": "(8, 4)", "zeropp.gin": "4", "qgz.gin": "4"}.get(gin, "None"))
   g_bits = None if g == "None" else (eval(g) if g.startswith("(") else (int(g), int(g)))
   w, block = NODES * GPUS, 256
   fmt = lambda bits: 2.0 if bits is None else bits / 8 + 4 / block
@@ -83,72 +119,195 @@ def wire_bytes(name: str, params: int) -> dict:
   return {"total_MB": (fwd + bwd + grad) / 1e6, "cross_node_MB": (fwd_x + bwd_x + grad_x) / 1e6}
 
 
-def run(name, steps, out, extra, seed=0):
-  gin_file, *params = VARIANTS[name]
-  workdir = os.path.join(out, f"{name}_seed{seed}")
-  shutil.rmtree(workdir, ignore_errors=True)  # a fresh run: never resume a stale checkpoint
-  cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--gin_file={gin_file}", f"--workdir={workdir}",
-         f"--gin_param=train.steps={steps}", "--gin_param=train.eval_batches=16",
-         f"--gin_param=train.seed={seed}",
-         "--gin_param=train.progress=False"] + [f"--gin_param={p}" for p in params + extra]
-  subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-  with open(os.path.join(workdir, "summary.json")) as f:
-    summary = json.load(f)
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    curve = [json.loads(l) for l in f]
-  return summary, curve
+def _git(*args) -> str | None:
+  try:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
 
 
-def plot(curves, path):
+def _operative(config: str, name: str) -> int | str | None:
+  """The value of `name` (e.g. 'train.batch_size') in a run's operative config.gin."""
+  for line in config.splitlines():
+    if line.startswith(name + " = "):
+      value = line.split(" = ", 1)[1].strip()
+      return int(value) if value.isdigit() else value
+  return None
+
+
+def run(spec: list[str], seed: int, args) -> dict:
+  """One train.py run of `spec` ([gin file, gin params...]) at `seed`; a row for the JSON (with `error`
+  instead of the losses when it failed), plus `_curve` (the train losses) for the plot."""
+  gin_file, *params = spec
+  params = params + [f"train.steps={args.steps}", f"train.seed={seed}", f"train.eval_every={args.eval_every}",
+                     f"train.eval_batches={args.eval_batches}", "train.checkpoint_every=0",
+                     "train.progress=False"] + args.gin_param
+  row = {"gin_file": gin_file, "gin_params": params}
+  work = tempfile.mkdtemp(prefix="zjx-convergence-")
+  t0 = time.time()
+  try:
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--gin_file={gin_file}", f"--workdir={work}",
+           *[f"--gin_param={p}" for p in params]]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py's default: 8 CPU devices
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout or None)
+    if r.returncode:
+      tail = [l for l in (r.stderr.strip() or r.stdout.strip()).splitlines()  # without jax's start-up lines
+              if not l.startswith("WARNING: All log messages before absl") and "cudart_stub" not in l][-5:]
+      raise RuntimeError(f"train.py exit {r.returncode}: " + " | ".join(tail)[-800:])
+    with open(os.path.join(work, "summary.json")) as f:
+      s = json.load(f)
+    with open(os.path.join(work, "metrics.jsonl")) as f:
+      rows = [json.loads(line) for line in f]
+    with open(os.path.join(work, "config.gin")) as f:
+      config = f.read()
+    row.update(final_eval_loss=s["final_eval_loss"], final_loss=s["final_loss"], first_loss=s["first_loss"],
+               step=s["step"], status=s["status"], skipped_steps=s["skipped_steps"], plan=s["plan"],
+               median_step_time_s=s["median_step_time_s"],
+               eval_losses=[[x["step"], x["eval_loss"]] for x in rows if x.get("eval_loss") is not None],
+               _curve=[[x["step"], x["loss"]] for x in rows if x.get("loss") is not None],
+               _run={"corpus": s["data"], "mesh": s["mesh"], "nodes": s["nodes"], "vocab_size": s["vocab_size"],
+                     "batch_size": _operative(config, "train.batch_size"),
+                     "seq_len": _operative(config, "model_config.seq_len"),
+                     "accum_steps": _operative(config, "train.accum_steps"),
+                     "memory_bytes_per_device": (s.get("memory_bytes_per_device") or {}).get("total")})
+    if s["final_eval_loss"] is None:
+      row["error"] = f"no finite final eval loss (status {s['status']}, step {s['step']})"
+  except Exception as e:  # noqa: BLE001  (recorded; the benchmark goes on)
+    row["error"] = error_text(e, 1000)
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  row["wall_s"] = round(time.time() - t0, 1)
+  return row
+
+
+def summarize(out: dict, params: int) -> dict:
+  """Per plan: per-seed gaps over its reference's run of the same seed (percent), their mean, min, max and
+  standard deviation; per reference its losses."""
+  loss = {(r["name"], r["seed"]): r.get("final_eval_loss") for r in out["runs"] if "error" not in r}
+  results, refs = {}, {}
+  for name in out["references"]:
+    ev = [loss.get((name, s)) for s in out["seeds"]]
+    done = [e for e in ev if e is not None]
+    refs[name] = {"eval_loss": ev, "mean_eval_loss": statistics.mean(done) if done else None}
+    if name == "zero3":
+      refs[name]["wire_bytes"] = wire_bytes(REFERENCES[name], params)
+  for name in out["plans"]:
+    ref = PLANS[name][0]
+    ev = [loss.get((name, s)) for s in out["seeds"]]
+    base = [loss.get((ref, s)) for s in out["seeds"]]
+    gaps = [100 * (e / b - 1) if e is not None and b is not None else None for e, b in zip(ev, base)]
+    diffs = [e - b if e is not None and b is not None else None for e, b in zip(ev, base)]
+    g = [x for x in gaps if x is not None]
+    done = [e for e in ev if e is not None]
+    r = {"reference": ref, "seeds": out["seeds"], "eval_loss": ev, "reference_eval_loss": base,
+         "gap_pct": gaps, "gap_abs": diffs, "n": len(g),
+         "mean_eval_loss": statistics.mean(done) if done else None,
+         "mean_gap_pct": statistics.mean(g) if g else None,
+         "min_gap_pct": min(g) if g else None, "max_gap_pct": max(g) if g else None,
+         "std_gap_pct": statistics.stdev(g) if len(g) > 1 else None}
+    if ref == "zero3":
+      r["wire_bytes"] = wire_bytes(PLANS[name][1], params)
+    results[name] = r
+  return {"references_summary": refs, "results": results}
+
+
+def write(out: dict, path: str) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(out, f, indent=1)
+  os.replace(tmp, path)
+
+
+def plot(curves: dict, path: str, steps: int) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name, curve in curves.items():
-    ax.plot([r["step"] for r in curve], [r["loss"] for r in curve], label=name, lw=1)
-  ax.set(xlabel="step", ylabel="train loss (bytes, nats)", title="ZeRO++ ablation: loss curves", ylim=(None, 3.5))
-  ax.legend()
+    ax.plot([c[0] for c in curve], [c[1] for c in curve], label=name, lw=1.8 if name in REFERENCES else 1)
+  ax.set(xlabel="step", ylabel="train loss (bytes, nats)", title=f"Loss curves, seed 0, {steps} steps",
+         ylim=(None, 3.5))
+  ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
 
-def main():
+def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--steps", type=int, default=200)
-  ap.add_argument("--out", default=os.path.join(ROOT, "runs", "convergence"))
-  ap.add_argument("--variants", default="zeropp",
-                  help=f"a group ({', '.join(GROUPS)}) or comma-separated names from {', '.join(VARIANTS)}")
-  ap.add_argument("--seeds", default="0", help="comma-separated train.seed values, e.g. 0,1,2")
-  ap.add_argument("--png", default=os.path.join(ROOT, "benchmarks", "convergence.png"))
-  ap.add_argument("--gin_param", action="append", default=[])
+  ap.add_argument("--seeds", type=int, default=3, help="train.seed = 0 .. N-1")
+  ap.add_argument("--steps", type=int, default=300)
+  ap.add_argument("--plans", default="default",
+                  help=f"groups ({', '.join(GROUPS)}) and/or names from {', '.join(PLANS)}, comma-separated")
+  ap.add_argument("--out", default=os.path.join(HERE, "convergence.json"))
+  ap.add_argument("--png", default=None, help="also plot the train loss curves of seed 0 here")
+  ap.add_argument("--eval_every", type=int, default=50)
+  ap.add_argument("--eval_batches", type=int, default=16, help="held-out batches of each evaluation")
+  ap.add_argument("--timeout", type=int, default=3 * 3600, help="seconds before a run counts as failed (0: none)")
+  ap.add_argument("--gin_param", action="append", default=[], help="added to every run (references too)")
   ap.add_argument("--params", type=int, default=937_984,
                   help="padded parameters of the model (the default config's), for the wire bytes")
-  args = ap.parse_args()
-  names = GROUPS.get(args.variants) or args.variants.split(",")
-  unknown = [n for n in names if n not in VARIANTS]
+  args = ap.parse_args(argv)
+  plans = list(dict.fromkeys(p for name in args.plans.split(",") if name for p in GROUPS.get(name, [name])))
+  unknown = [n for n in plans if n not in PLANS]
   if unknown:
-    ap.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)} or a group {sorted(GROUPS)}")
-  seeds = [int(s) for s in args.seeds.split(",")]
-  results, curves = {}, {}
-  for seed in seeds:  # seed-major: a cut-short run still has every variant of the first seeds
-    for name in names:
-      summary, curve = run(name, args.steps, args.out, args.gin_param, seed)
-      curves.setdefault(name, curve)
-      r = results.setdefault(name, {"final_eval_loss": [], "final_loss": [], **wire_bytes(name, args.params)})
-      r["final_eval_loss"].append(summary["final_eval_loss"])
-      r["final_loss"].append(summary["final_loss"])
-      print(f"{name} seed {seed}: eval {summary['final_eval_loss']:.4f}", file=sys.stderr, flush=True)
-  for r in results.values():
-    ev = r["final_eval_loss"]
-    r["mean_eval_loss"] = statistics.mean(ev)
-    r["spread"] = [min(ev), max(ev)]
-  if "zero3" in results:
-    base = results["zero3"]["final_eval_loss"]
-    for r in results.values():  # per seed: the same data order and initialisation as ZeRO-3's run
-      r["eval_loss_vs_zero3"] = statistics.mean(e / b - 1 for e, b in zip(r["final_eval_loss"], base))
-  plot(curves, args.png)
-  print(json.dumps({"benchmark": "zeropp_convergence", "steps": args.steps, "seeds": seeds, "results": results,
-                    "png": os.path.relpath(args.png, ROOT)}))
+    ap.error(f"unknown plans {unknown}; choose from {sorted(PLANS)} or a group {sorted(GROUPS)}")
+  refs = list(dict.fromkeys(PLANS[p][0] for p in plans))
+  seeds = list(range(args.seeds))
+  commit = _git("rev-parse", "HEAD")
+  import jax  # only its version: the runs are their own processes
+  out = {"benchmark": "convergence", "argv": sys.argv[1:] if argv is None else list(argv),
+         "started": datetime.datetime.now().isoformat(timespec="seconds"),
+         "git_commit": commit, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+         "jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+         "steps": args.steps, "seeds": seeds,
+         "settings": {"model": "configs/base.gin (4-layer byte-level GPT, d_model 128, 4 heads)",
+                      "devices": NODES * GPUS, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
+                      "checkpoint_every": 0, "extra_gin_params": args.gin_param,
+                      "gap": "100 * (plan's final eval loss / its reference's at the same seed - 1)"},
+         "references": {r: {"spec": REFERENCES[r]} for r in refs},
+         "plans": {p: {"reference": PLANS[p][0], "spec": PLANS[p][1]} for p in plans},
+         "corpus": None, "batch": None, "mesh": None, "runs": []}
+  order = [(seed, name) for seed in seeds for name in refs + plans]  # seed-major: references first
+  curves, t_start = {}, time.time()
+  print(f"bench_convergence: {len(order)} runs ({len(seeds)} seeds x {len(refs)} references + {len(plans)} plans), "
+        f"{args.steps} steps each, writing {args.out}", file=sys.stderr, flush=True)
+  for i, (seed, name) in enumerate(order):
+    spec = REFERENCES[name] if name in REFERENCES else PLANS[name][1]
+    print(f"[{i + 1}/{len(order)}] seed {seed} {name} ...", file=sys.stderr, flush=True)
+    row = run(spec, seed, args)
+    curve, info = row.pop("_curve", None), row.pop("_run", None)
+    if info and out["corpus"] is None:
+      out["corpus"] = info.pop("corpus")
+      out["mesh"], out["nodes"] = info.pop("mesh"), info.pop("nodes")
+      out["batch"] = {k: info.pop(k) for k in ("batch_size", "seq_len", "accum_steps")}
+      out["vocab_size"] = info.pop("vocab_size")
+    if info:
+      row["memory_bytes_per_device"] = info.get("memory_bytes_per_device")
+    if curve and seed == seeds[0]:
+      curves[name] = curve
+    out["runs"].append({"seed": seed, "name": name, "role": "reference" if name in REFERENCES else "plan", **row})
+    out.update(summarize(out, args.params))
+    out["wall_s"] = round(time.time() - t_start, 1)
+    write(out, args.out)
+    if "error" in row:
+      msg = f"FAILED ({row['error'][:300]})"
+    else:
+      msg = f"eval {row['final_eval_loss']:.4f}, {row['median_step_time_s']:.3f} s/step"
+      gap = out["results"].get(name, {}).get("gap_pct", [None] * len(seeds))[seeds.index(seed)]
+      if gap is not None:
+        msg += f", gap {gap:+.2f}% over {PLANS[name][0]}"
+    left = (time.time() - t_start) / (i + 1) * (len(order) - i - 1)
+    print(f"[{i + 1}/{len(order)}] seed {seed} {name}: {msg}; {row['wall_s']:.0f} s; "
+          f"about {left / 60:.0f} min left", file=sys.stderr, flush=True)
+  if args.png and curves:
+    plot(curves, args.png, args.steps)
+  for name, r in out["results"].items():
+    if r["n"]:
+      print(f"{name} vs {r['reference']}: gaps {', '.join('-' if g is None else f'{g:+.2f}%' for g in r['gap_pct'])}; "
+            f"mean {r['mean_gap_pct']:+.2f}% [{r['min_gap_pct']:+.2f}, {r['max_gap_pct']:+.2f}]"
+            + (f", std {r['std_gap_pct']:.2f}" if r["std_gap_pct"] is not None else ""), file=sys.stderr)
+  print(json.dumps(out["results"], indent=1))
+  return out
 
 
 if __name__ == "__main__":
