@@ -22,7 +22,7 @@ and `--xla` (named sets of XLA options: `base` = zerojax's `GPU_COMPILER_OPTIONS
 GPU list added to them; the plans and plain compile with the same set) is one block of interleaved
 repetitions; the first combination runs `--plans`, the others `--sweep_plans`. `model_tflops` is the
 model's flops (6 x non-embedding parameters x tokens + attention, remat not counted) over the median
-step; `mfu` divides it by the device's dense bf16 peak (`PEAK_TFLOPS`) and `of_matmul` by an 8192^3 bf16
+step; `mfu` divides it by the device's dense bf16 peak (`zerojax.hardware.peak_flops`) and `of_matmul` by an 8192^3 bf16
 matmul measured on the device at the start (`matmul_tflops`).
 
 `--compile_only h100 --mesh 1x1` compiles every system of every combination for compile-only GPUs
@@ -63,7 +63,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zerojax  # noqa: E402
-from zerojax import gpu_aot  # noqa: E402
+from zerojax import gpu_aot, hardware  # noqa: E402
 from zerojax.executor import aot  # noqa: E402
 from zerojax.models.gpt import Block, GPTConfig, embed_tokens, gpt, head_loss  # noqa: E402
 from zerojax.planner import remat as remat_choice  # noqa: E402
@@ -87,8 +87,6 @@ POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
             "dots": jax.checkpoint_policies.save_from_both_policies(
                 jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                 jax.checkpoint_policies.save_only_these_names(ATTENTION))}
-# Dense bf16 peak TFLOP/s by device kind (the vendors' sheets; SXM parts).
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 # XLA option sets added to zerojax's own (`gpu_aot.GPU_COMPILER_OPTIONS`): MaxText's GPU list.
 XLA_SETS = {
     "base": {},
@@ -110,7 +108,8 @@ def memory_of(compiled) -> dict | None:
 
 
 def peak_tflops(kind: str) -> float | None:
-  return next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
+  peak = hardware.peak_flops(kind)
+  return None if peak is None else peak / 1e12
 
 
 def matmul_tflops(n: int = 8192, reps: int = 10) -> float:

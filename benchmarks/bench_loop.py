@@ -56,7 +56,7 @@ def one_run(tree: str, steps: int) -> dict:
 
 
 def kit_mfu() -> dict:
-  from zerojax import gpu_aot
+  from zerojax import gpu_aot, hardware
   from zerojax.models.gpt import GPTConfig
   from zerojax.train import run_metrics
   from zerojax.train.model_spec import ModelSpec
@@ -64,7 +64,7 @@ def kit_mfu() -> dict:
   spec = ModelSpec("gpt", GPTConfig(vocab_size=KIT["vocab_size"], seq_len=KIT["seq_len"], d_model=KIT["d_model"],
                                     num_heads=KIT["num_heads"], num_layers=KIT["num_layers"]))
   rates = run_metrics.Rates(KIT["batch"] * KIT["seq_len"], run_metrics.flops_per_token(spec), 1,
-                            run_metrics.peak_flops(kind))
+                            hardware.peak_flops(kind))
   return {"device_kind": kind, "flops_per_token": run_metrics.flops_per_token(spec), **KIT,
           **rates.of(KIT["step_s"])}
 

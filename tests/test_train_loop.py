@@ -7,6 +7,7 @@ import os
 
 from tests.train_helpers import command, run_main
 from zerojax.executor import Executor
+from zerojax import hardware
 from zerojax.train import run_metrics
 
 STEPS = 8
@@ -60,5 +61,5 @@ def test_flops_and_peaks():
                                          num_kv_heads=8, d_ff=14336))
   n = 32 * (4096 * 128 * 48 + 4096 * 4096 + 3 * 4096 * 14336) + 2 * 128256 * 4096  # 8.03 B: Llama-3-8B
   assert abs(n - 8.03e9) < 0.01e9 and run_metrics.flops_per_token(llama) == 6 * n + 12 * 32 * 4096 * 8192
-  assert run_metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-  assert run_metrics.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and run_metrics.peak_flops("cpu") is None
+  assert hardware.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+  assert hardware.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and hardware.peak_flops("cpu") is None

@@ -379,8 +379,8 @@ class Schedule:
       each way): the device holds no layer's input through the step. In every mode the backward re-gathers the
       weights (hpZ: from the secondary shard) instead of keeping them, so "dots" and "none" cost
       activation memory (per layer, for the whole backward), never gathered weights. "auto" or None (the
-      default): the cheapest of "none", "dots", "full", "offloaded" whose compiled step fits the device's memory,
-      chosen where the batch is known (`zerojax.planner.remat.choose`: `train.py`, `cli.compile`); on
+      default): the fastest of "none", "dots", "full" whose compiled step fits the device's memory ("offloaded"
+      where none fits), chosen where the batch is known (`zerojax.planner.remat.choose`: `train.py`, `cli.compile`); on
       CPUs, and for an executor built without that choice, "none" when the parameters are not sharded
       (DP, ZeRO-1/2), else "full" (`Plan.remat_mode`).
     prefetch: inside a scanned unit run by `zerojax.engine.scan_layers`, gather layer i+1 while layer i computes

@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
+from zerojax import hardware
 from zerojax.executor import Executor
 from zerojax.executor.memory import memory_report
 from zerojax.plan import Plan
@@ -116,7 +117,7 @@ class Loop:
     self.cadence = replica_lib.Cadence(run.replica_every, run.replica_every_s)
     self.tokens_per_step = run.batch_size * run.accum_steps * s.spec.config.seq_len
     self.rates = run_metrics.Rates(self.tokens_per_step, None if run.model else run_metrics.flops_per_token(s.spec),
-                                   s.ex.mesh.size, run_metrics.peak_flops(s.ex.mesh.devices.flat[0].device_kind))
+                                   s.ex.mesh.size, hardware.peak_flops(s.ex.mesh.devices.flat[0].device_kind))
     self.lr_at, self.nodes = make_schedule(run.steps), int(s.ex.mesh.shape["node"])
     self.in_a_row, self.times, self.waits, self.loss, self.eval_loss = 0, [], [], float("nan"), None
     self.event = run.node_copy.event if run.node_copy is not None else None

@@ -5,8 +5,8 @@ Model FLOPs per token are counted for the built-in models as PaLM's appendix B a
 `6 N + 12 L d T` (N the parameters in matrix multiplies, embeddings included, learned positions not; L
 layers, d the attention width, T the sequence length: the forward and backward of every matmul, and of
 the attention's scores and values without causal halving). A user's model (`--model`) has no count:
-its records carry no FLOP/s. MFU is that rate over the device kind's dense bf16 peak (`PEAK_TFLOPS`);
-devices not in the table (CPUs) get none.
+its records carry no FLOP/s. MFU is that rate over the device kind's dense bf16 peak
+(`zerojax.hardware.peak_flops`); devices not in its table (CPUs) get none.
 
 References:
   Chowdhery et al. 2022, "PaLM", appendix B (model FLOPs utilization).
@@ -19,17 +19,6 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-
-# Dense bf16 tensor-core peak per device, TFLOP/s (vendor specifications, SXM parts).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "GB200": 2500.0}
-
-
-def peak_flops(device_kind: str) -> float | None:
-  """The dense bf16 peak FLOP/s of a device kind (e.g. "NVIDIA H100 80GB HBM3"), None if not known."""
-  for name, tflops in PEAK_TFLOPS.items():
-    if name in device_kind.upper().split() or f" {name}" in f" {device_kind.upper()}":
-      return tflops * 1e12
-  return None
 
 
 def flops_per_token(spec) -> float | None:

@@ -88,7 +88,7 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
   cfg = spec.config
   net = spec.build() if model is None else user_model.build(model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
   optimizer = make_optimizer(total_steps=steps)
-  # remat "auto": the cheapest mode whose compiled step fits the device (none on CPUs: the rule)
+  # remat "auto": the fastest mode whose compiled step fits the device (on CPUs: the rule)
   plan, choice = remat_choice.choose(net, optimizer, plan, mesh, (accum_steps, batch_size, cfg.seq_len + 1),
                                      accum_steps=accum_steps)
   ex = Executor(net, optimizer, plan, mesh, accum_steps=accum_steps)
