@@ -49,7 +49,7 @@ def main(argv=None) -> int:
   for fields in (("opt_state",), ("opt_state", "master")):
     for mode in ("bulk", "streamed", "host"):
       if mode == "host" and fields != ("opt_state", "master"):
-        continue  # the host update needs both fields (offload.check_host_update)
+        continue  # the host update needs both fields (`zerojax.engine.host_update.check_host_update`)
       pt = dp.with_(offload=fields, offload_update=mode)
       moved = cost.offload_bytes(pt, work)
       price = cost.offload_time(pt, work)

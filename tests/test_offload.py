@@ -13,6 +13,7 @@ import zerojax
 import zerojax.plan as plans
 from tests import helpers
 from zerojax.executor.memory import memory_report
+from zerojax.executor.step import UPDATES
 from zerojax.engine.offload import HOST, HostOffload, check_supported
 from zerojax.train.checkpoint import Checkpointer
 
@@ -120,6 +121,28 @@ def test_offload_order_and_gin_spelling_are_one_setting():
   p = plans.mics(offload=("opt_state",))
   assert plans.Plan(p.name, **p.settings()) == p
   assert p.label().endswith("+offload(opt_state)")
+
+
+def test_the_update_mode_is_decided_once_by_the_plan():
+  """`Plan.update_mode` decides the update strategy (`zerojax.executor.update`): a plan carrying state across
+  steps (its components read the whole step's updates) fetches offloaded states in bulk, and refuses the
+  update on the host in one line; exactly the shipped plans with a stateful component carry state."""
+  from tests import golden_configs
+  from zerojax.state.train_state import stateful_components
+  mesh = zerojax.make_mesh(2)
+  for name, plan in golden_configs.plans().items():
+    if isinstance(plan, plans.Plan):
+      plan = plan.resolve(mesh)
+      ex = zerojax.Executor(helpers.tiny_gpt(), helpers.optimizer(), plan, mesh)
+      assert plans.carries_state(plan.reduction, plan.sync) == bool(ex.stateful), name
+      assert bool(stateful_components(plan, mesh, ex.layout, ex.metas)) == bool(ex.stateful)
+      assert type(ex.steps.update) is UPDATES[plan.update_mode] and ex.placement.offload.update == plan.update_mode
+  assert plans.zero3(offload=BOTH).update_mode == "streamed"
+  assert plans.mics(offload=BOTH, replica_sync=plans.radius()).update_mode == "bulk"
+  assert plans.zeropp(offload=BOTH, offload_update="host").update_mode == "host"
+  with pytest.raises(ValueError, match="offload_update='host' runs the whole update on the host") as e:
+    plans.zeropp(offload=BOTH, offload_update="host", grad_error_feedback=True)
+  assert "\n" not in str(e.value)
 
 
 def test_a_backend_without_host_memory_is_refused_in_one_line():

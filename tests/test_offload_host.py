@@ -1,4 +1,4 @@
-"""The offloaded update computed on the host (`Sharding.offload_update="host"`, `zerojax.engine.offload.host_update`,
+"""The offloaded update computed on the host (`Sharding.offload_update="host"`, `zerojax.engine.host_update.host_update`,
 `compute_on("device_host")`): it trains what the device trains, bit for bit on CPUs (the same XLA:CPU ops),
 its states never leave host memory, and the settings it cannot run are refused in one line. Its compiled H100
 program's moves are in test_offload_gpu.py."""

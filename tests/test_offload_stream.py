@@ -1,4 +1,4 @@
-"""The streamed offloaded update (`zerojax.executor.step`'s `Steps._streamed_update`, `zerojax.engine.offload.global_scalars` /
+"""The streamed offloaded update (`zerojax.executor.offload_update.Streamed`, `zerojax.engine.chunked_update.global_scalars` /
 `run_chunk`): chunk by chunk, it computes what the whole update computes, bit for bit, for dp and a flax
 model (zero3 and mics: tests/test_offload.py); an optimizer that reduces its own states is refused."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import zerojax
 import zerojax.plan as plans
 from tests import flax_models as fm
 from tests import helpers
-from zerojax.engine import offload
+from zerojax.engine import chunked_update
 from zerojax.models.gpt import gpt
 
 BOTH = ("opt_state", "master")
@@ -34,10 +34,10 @@ def test_a_chunk_with_the_global_scalars_is_the_whole_update_on_it():
   p = {"a": jnp.ones(6), "b": jnp.ones(3)}
   s = opt.init(p)
   whole, _ = opt.update(g, s, p)
-  scalars = offload.global_scalars(opt.update, g, s, p)
+  scalars = chunked_update.global_scalars(opt.update, g, s, p)
   assert len(scalars) >= 2  # the norm's partial sums, the norm, the clipping's test
   cut = lambda t: {"a": t["a"], "b": t["b"][:0]}
-  part, _ = offload.run_chunk(opt.update, scalars, cut(g), jax.tree.map(lambda x: cut(x) if isinstance(x, dict) else x,
+  part, _ = chunked_update.run_chunk(opt.update, scalars, cut(g), jax.tree.map(lambda x: cut(x) if isinstance(x, dict) else x,
                               s, is_leaf=lambda x: isinstance(x, dict)), cut(p))
   assert np.array_equal(part["a"], whole["a"])
   alone, _ = opt.update(cut(g), opt.init(cut(p)), cut(p))
@@ -48,7 +48,7 @@ def test_an_optimizer_that_reduces_its_states_is_refused_in_one_line():
   opt = optax.lamb(1e-3)
   p = {"a": jnp.ones(4)}
   with pytest.raises(ValueError, match="reduces its states or parameters to a scalar") as e:
-    offload.global_scalars(opt.update, p, opt.init(p), p)
+    chunked_update.global_scalars(opt.update, p, opt.init(p), p)
   assert "\n" not in str(e.value)
 
 
@@ -118,7 +118,7 @@ def test_one_device_keeps_the_gradients_16bit_until_each_chunk_widens_them():
   runs = {off: helpers.run(plans.dp(offload=off, compute_dtype="bfloat16"), mesh, helpers.optimizer(), model=model,
                            accum=1) for off in ((), BOTH)}
   (_, ref, _, ref_losses), (ex, state, _, losses) = runs[()], runs[BOTH]
-  assert ex.steps.streamed.streams and not runs[()][0].steps.streamed.streams
+  assert ex.steps.update.widens_per_chunk and not runs[()][0].steps.update.widens_per_chunk
   assert losses == ref_losses
   assert same(state.replace(forward=None), ref)
 

@@ -110,7 +110,7 @@ class Executor:
       self.metas[u] = UnitMeta(c.gather, c.reduction, c.remat, c.prefetch, sizes, treedef, tuple(leaves),
                                scanned=u in model.scanned, prefetch_optional=prefetch_optional)
     self.stateful = stateful_components(plan, mesh, self.layout, self.metas)  # {TrainState field: component}
-    offload = c.offload.keeping_forward(c.gather.dtype, stateful=bool(self.stateful))  # the forward's copy
+    offload = c.offload.keeping_forward(c.gather.dtype)  # the forward's copy
     self.placement = Placement.of(mesh, self.param_specs, plan.sharding.opt_order, offload, c.replicas_apart)
     self.placement.refuse_model(model, plan.name)
     self.states = TrainStates(model, self.optimizer, self.layout, self.placement, self.stateful)

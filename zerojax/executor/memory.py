@@ -19,12 +19,12 @@ from zerojax.state.train_state import STATEFUL, TrainState
 def in_flight(ex, host: int) -> int:
   """The most offloaded bytes per device the step holds on the device at once: with the streamed update
   (docs/offload.md) the three largest chunks' (a unit, or one layer of a scanned unit; a chunk's unit
-  fetch waits on the store of the unit two before it), where the update does not stream
-  (`HostOffload.streams`: a stateful component, or the bulk fetch) all of `host`; with the update on the
-  host (`HostOffload.on_host`) none."""
-  if ex.placement.offload.on_host:
+  fetch waits on the store of the unit two before it), with the bulk fetch all of `host`, with the update
+  on the host none (`HostOffload.update`, `Plan.update_mode`)."""
+  mode = ex.placement.offload.update
+  if mode == "host":
     return 0
-  if not host or not ex.placement.offload.streams(bool(ex.stateful)):
+  if not host or mode != "streamed":
     return host
   chunks = []
   for name, tree in ex.layout.tree().items():

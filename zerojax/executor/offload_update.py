@@ -1,9 +1,10 @@
 """The optimizer's update of offloaded states on the device, chunk by chunk (`Sharding.offload`,
-`offload_update="streamed"`; docs/offload.md, "The update, streamed").
+`offload_update="streamed"`; docs/offload.md, "The update, streamed"), one of the update strategies of
+`zerojax.executor.update`.
 
 After the backward, each chunk (a unit, or one layer of a scanned unit: `offload_stream.stream_layers`) has its
 master weights and optimizer states fetched from host memory, updated with the whole gradient's global
-statistics (`offload.global_scalars`: the clipping's norm) and stored back; with 16-bit weights the new
+statistics (`chunked_update.global_scalars`: the clipping's norm) and stored back; with 16-bit weights the new
 master weights' rounding stays on the device for the next step's forward (`TrainState.forward`).
 
 References:
@@ -18,49 +19,35 @@ import numpy as np
 import optax
 from jax import lax
 
-from zerojax.engine import layout as layout_lib, offload as offload_lib
-from zerojax.engine.model import Model, user_views
+from zerojax.engine import chunked_update
+from zerojax.engine.model import user_views
 from zerojax.engine.offload_stream import stream_layers
-from zerojax.state.placement import Placement
+from zerojax.executor.update import Update, Updated
 from zerojax.state.stateful import keep
 from zerojax.state.train_state import TrainState
 
 
-class StreamedUpdate:
-  """The streamed update of an `Executor`'s step (`Steps`).
+class Streamed(Update):
+  """The "streamed" update of an `Executor`'s step (`zerojax.executor.update`): offloaded states, updated
+  on the device chunk by chunk."""
+  widens_per_chunk = True  # each chunk widens its own gradient (`wide`), not all at once
 
-  Args:
-    model, optimizer, user_optimizer, layout: as `Steps` has them (the user's optimizer runs per chunk).
-    reduce_dtype: the dtype the step's gradients are reduced in (`GradReduction.dtype`).
-    placement: where the train state lives (its `offload`).
-    streams: whether the step updates the offloaded states this way: offloaded states, the update on the
-      device chunk by chunk, and no stateful component reading the whole step's updates.
-  """
-
-  def __init__(self, model: Model, optimizer, user_optimizer, layout: layout_lib.Layout, reduce_dtype,
-               placement: Placement, streams: bool):
-    self.model, self.optimizer, self.user_optimizer, self.layout = model, optimizer, user_optimizer, layout
-    self.reduce_dtype, self.placement, self.streams = reduce_dtype, placement, streams
+  def __init__(self, *args):
+    super().__init__(*args)
     self._chunk_opts = {}
 
-  def wide(self, grads):
-    """`grads` in the reduction's dtype. With the streamed update on one device and one micro-step the step
-    leaves them in the dtype they are computed in (`Steps._local_grads`); widening them here, as the step
-    would have, gives the same bits, and XLA fuses it into what reads them."""
-    return jax.tree.map(lambda g: g.astype(self.reduce_dtype), grads)
-
-  def __call__(self, host: TrainState, grads, finite):
+  def __call__(self, host: TrainState, state: TrainState, grads, finite) -> Updated:
     """The optimizer's update with offloaded states, one chunk at a time (docs/offload.md, "The streamed
     update"): a unit, or one layer of a scanned unit (a `lax.scan` over its layers). Each chunk's states
     come to the device, are updated and go back to host memory; a scanned unit fetches layer i + 1 while
     it updates layer i and stores layer i - 1 (`offload_stream.stream_layers`). A unit's fetch waits on the store
     of the unit two before it (and the first two on the gradients), so at most three units' states are on
     the device at once, whatever XLA's scheduler would do. The update's global statistics (the clipping's
-    norm) come from the whole gradient before the first chunk (`offload.global_scalars`). -> (new master
+    norm) come from the whole gradient before the first chunk (`chunked_update.global_scalars`). -> (new master
     weights, new optimizer states, each in the memory its field lives in; the new master weights' rounding
     the train state keeps on the device, `TrainState.forward`, or None)."""
     off, lay = self.placement.offload, self.layout.tree()
-    scalars = offload_lib.global_scalars(self.optimizer.update, self.wide(grads), host.opt_state, host.params)
+    scalars = chunked_update.global_scalars(self.optimizer.update, self.wide(grads), host.opt_state, host.params)
     # Each chunk widens its own gradient after the norm: XLA would otherwise widen all of them once, for both,
     # and hold that copy through the update (4 bytes per parameter on the device)
     scalars, grads = lax.optimization_barrier((scalars, grads))
@@ -71,7 +58,7 @@ class StreamedUpdate:
       scanned = u in self.model.scanned
       cache = self._chunk_opts
       if u not in cache:
-        cache[u] = offload_lib.chunk_optimizer(self.user_optimizer, self.layout, u, scanned, *user_views(self.model))
+        cache[u] = chunked_update.chunk_optimizer(self.user_optimizer, self.layout, u, scanned, *user_views(self.model))
       opt, mine, empty = cache[u]
       hp, hs = host.params[u], [leaves[i] for i in mine]
       _, (hp, hs) = lax.optimization_barrier((stored[k - 2] if k >= 2 else grads, (hp, hs)))
@@ -84,7 +71,7 @@ class StreamedUpdate:
         it = iter(s)
         s_t = jax.tree.unflatten(treedef, [next(it) if i in mine else (leaves[i] if not np.ndim(leaves[i])
                                            else jnp.zeros(e.shape, e.dtype)) for i, e in enumerate(empty[1])])
-        updates, s_new = offload_lib.run_chunk(opt.update, scalars, g_t, s_t, p_t)
+        updates, s_new = chunked_update.run_chunk(opt.update, scalars, g_t, s_t, p_t)
         p_new = optax.apply_updates(p_t[u], updates[u])
         s_new = jax.tree.leaves(s_new)
         old_scalars = [leaves[i] for i in range(len(leaves)) if not np.ndim(leaves[i])]
@@ -107,4 +94,4 @@ class StreamedUpdate:
         for i, x in zip([i for i in range(len(leaves)) if not np.ndim(leaves[i])], sc):
           new_leaves[i] = x
       stored.append((p_new, s_new))
-    return new_params, jax.tree.unflatten(treedef, new_leaves), forward
+    return Updated(new_params, jax.tree.unflatten(treedef, new_leaves), forward, None)

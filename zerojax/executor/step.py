@@ -24,14 +24,15 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import gpu_aot
-from zerojax.engine import layout as layout_lib, logical as logical_lib, offload as offload_lib
+from zerojax.engine import layout as layout_lib, logical as logical_lib
 from zerojax.engine.components import Components, GradReduction
 from zerojax.engine.model import Model, call_loss
 from zerojax.state.placement import Placement
 from zerojax.state.stateful import InBackward, Phased, ReplacesWeights, SyncsReplicas, keep
 from zerojax.state.train_state import TrainState
 from zerojax.engine.unit import ShardedUnit, UnitState, shard_cotangents
-from zerojax.executor.offload_update import StreamedUpdate
+from zerojax.executor.offload_update import Streamed
+from zerojax.executor.update import OnDevice, OnHost
 
 
 class StepMetrics(NamedTuple):
@@ -58,6 +59,10 @@ class Probe:
   reduction: GradReduction
 
 
+# The update strategy of each `Plan.update_mode` (`zerojax.executor.update`).
+UPDATES = {"device": OnDevice, "bulk": OnDevice, "streamed": Streamed, "host": OnHost}
+
+
 class Steps:
   """The step and evaluation programs of an `Executor`.
 
@@ -79,17 +84,14 @@ class Steps:
     self.model, self.optimizer, self.user_optimizer, self.layout = model, optimizer, user_optimizer, layout
     self.components, self.placement, self.stateful, self.metas = components, placement, stateful, metas
     self.accum_steps = accum_steps
-    if placement.offload.on_host and stateful:
-      raise ValueError(f"offload_update='host' runs the whole update on the host, but the plan's {sorted(stateful)} "
-                       "read the step's updates on the device; use offload_update='streamed'")
     self.mesh = placement.mesh
     self.world = self.mesh.size
     self.batch_axes = tuple(self.mesh.axis_names)  # the batch is sharded over every device
     self.batch_sharding = NamedSharding(self.mesh, P(None, self.batch_axes))
     self._step = None
     self.probed: Probe | None = None  # the probe the step runs before its first program (`probe`)
-    self.streamed = StreamedUpdate(model, optimizer, user_optimizer, layout, components.reduction.dtype, placement,
-                                   streams=placement.offload.streams(bool(stateful)))
+    self.update = UPDATES[placement.offload.update](model, optimizer, user_optimizer, layout,
+                                                    components.reduction.dtype, placement)
 
   def _units(self, p_shards: dict, sinks: dict, sync_axes: tuple[str, ...] = (), state: dict | None = None,
              reduction: GradReduction | None = None) -> dict:
@@ -164,8 +166,8 @@ class Steps:
     # devices of one copy of the state).
     denom = self.placement.divisor(self.world, self.accum_steps)
     out = {n: carried.get(n) for n in self.stateful}
-    if syncer is None and denom == 1 and self.streamed.streams:
-      grads = acc  # the streamed update widens each chunk's gradient (`StreamedUpdate.wide`), not all at once
+    if syncer is None and denom == 1 and self.update.widens_per_chunk:
+      grads = acc  # the update widens each chunk's gradient (`Update.wide`), not all at once
     elif syncer is None:
       grads = jax.tree.map(lambda g: g.astype(parts.reduction.dtype) / denom, acc)
     else:
@@ -247,37 +249,19 @@ class Steps:
         out_specs=(where.param_specs, per, per, P(), out_specs), check_vma=False)(
             state.params, batch, state.step, state.rng, state.mutable, {n: v for n, (v, _) in body_in.items()})
     # One optimizer per copy: each replica's norm, update and skip are its own.
-    grad_norm = where.per_replica(optax.tree.norm)(self.streamed.wide(grads))
+    grad_norm = where.per_replica(optax.tree.norm)(self.update.wide(grads))
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if offload.on_host or self.streamed.streams:
-      forward = None
-      if offload.on_host:  # the gradients go down and the states stay on the host
-        params, opt_state = offload_lib.host_update(where.per_replica(self.optimizer.update), where.keep, grads,
-                                                    host.opt_state, host.params, finite)
-      else:
-        params, opt_state, forward = self.streamed(host, grads, finite)
-      new = state.replace(step=state.step + 1, params=params, opt_state=opt_state, forward=forward,
-                          skipped=state.skipped + (~finite).astype(jnp.int32),
-                          mutable=keep(finite, mutable, state.mutable))
-      return new, StepMetrics(loss, grad_norm, finite, aux)
-    # With a stateful component (it reads the whole step's updates) the states come to the device at once,
-    # once the backward is done (`HostOffload.fetch`'s `after`).
-    state = state.replace(params=offload.fetch("params", host.params, after=grads),
-                          opt_state=offload.fetch("opt_state", host.opt_state, after=grads))
-    updates, opt_state = where.per_replica(self.optimizer.update)(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    new = state.replace(step=state.step + 1, params=where.keep(finite, params, state.params),
-                        opt_state=where.keep(finite, opt_state, state.opt_state),
+    u = self.update(host, state, grads, finite)
+    new = state.replace(step=state.step + 1, params=u.params, opt_state=u.opt_state, forward=u.forward,
                         skipped=state.skipped + (~finite).astype(jnp.int32),
                         mutable=keep(finite, mutable, state.mutable),
-                        stateful={n: c.update(state.stateful[n], out[n], updates, state.step, finite, phase)
+                        stateful={n: c.update(state.stateful[n], out[n], u.updates, state.step, finite, phase)
                                   for n, c in self.stateful.items()})
     for n, c in self.stateful.items():  # a component may replace the master weights after the update
       if isinstance(c, ReplacesWeights):
         own, params = c.after_update(new.stateful[n], new.params, phase, before=start)
         new = new.replace(params=params, stateful={**new.stateful, n: own})
-    new = new.replace(params=offload.store("params", new.params), opt_state=offload.store("opt_state", new.opt_state))
-    return new, StepMetrics(loss, grad_norm, finite, aux)
+    return self.update.store(new), StepMetrics(loss, grad_norm, finite, aux)
 
   def compiler_options(self, state_shardings: TrainState) -> dict:
     """The XLA options the step compiles with (`gpu_aot.compiler_options`): on GPUs, with offloaded state,

@@ -50,6 +50,24 @@ FIELDS = {f.name: v for v, cls in VALUES.items() for f in dataclasses.fields(cls
 SHARED = ("rotate", "kernel_backend")
 
 
+def carries_state(reduction: Reduction, sync: ReplicaSync) -> bool:
+  """Whether a plan has a component carrying state across steps (`zerojax.state.train_state.STATEFUL`):
+  qgZ's error feedback, Radius's residual, DiLoCo's outer state. Each reads the whole step's updates."""
+  return bool(reduction.grad_error_feedback) or sync.replica_sync is not None or sync.outer_sync is not None
+
+
+def update_mode(sharding: Sharding, reduction: Reduction, sync: ReplicaSync) -> str:
+  """Where and how the optimizer's update runs, the one place it is decided: "device" (no offloaded state),
+  else `Sharding.offload_update` ("streamed", "bulk", "host"), where "streamed" becomes "bulk" for a plan
+  that `carries_state`: its components read the whole step's updates, so every offloaded state comes to
+  the device at once after the backward (docs/offload.md)."""
+  if not sharding.offload:
+    return "device"
+  if sharding.offload_update == "streamed" and carries_state(reduction, sync):
+    return "bulk"
+  return sharding.offload_update
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class Plan:
   """How model states are sharded and communicated: five small values, each validating its own fields,
@@ -143,9 +161,18 @@ class Plan:
       if not g.secondary_axes or not all(within(a) for a in g.secondary_axes):
         raise ValueError(f"plan {self.name!r}: hpZ secondary_axes={g.secondary_axes} must be a non-empty "
                          f"subset of param_axes={s.param_axes}, e.g. ('gpu',)")
+    if s.offload and s.offload_update == "host" and carries_state(self.reduction, self.sync):
+      raise ValueError(f"plan {self.name!r}: offload_update='host' runs the whole update on the host, but its "
+                       "qgZ error feedback, Radius or DiLoCo reads the step's updates on the device; use "
+                       "offload_update='streamed'")
     if self.reduction.quantized and not s.grad_axes:
       raise ValueError(f"plan {self.name!r}: qgZ (grad_bits, grad_format) quantizes the gradient reduce-scatter, but "
                        "grad_axes is empty; shard the gradients (zero2/zero3/mics) or drop grad_bits")
+
+  @property
+  def update_mode(self) -> str:
+    """Where and how the optimizer's update runs (`update_mode`)."""
+    return update_mode(self.sharding, self.reduction, self.sync)
 
   @property
   def remat_mode(self) -> str:

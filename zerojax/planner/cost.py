@@ -48,7 +48,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from zerojax.plan import Radius
+from zerojax.plan import Radius, update_mode
 from zerojax.plan.values import Reduction
 from zerojax.planner.space import Point
 
@@ -264,14 +264,14 @@ def offload_bytes(point: Point, work: Workload) -> dict:
     before      to the device before the forward: the fp32 master weights (4 Φ_os) where they are offloaded,
                 for step 0's cast; with the update on the host, the 16-bit weights rounded there (b Φ_os);
                 none where the streamed update keeps their 16-bit rounding on the device between steps
-                (16-bit weights, no stateful component reading the step's updates: `HostOffload.keeping_forward`)
+                (16-bit weights and the update "streamed", `Plan.update_mode`: `HostOffload.keeping_forward`)
     to_device   the update's states, to the device ("streamed", "bulk"): (4 + o) Φ_os with the master
                 weights, o Φ_os without (AdamW: 12 and 8 bytes per parameter); on the host ("host"), none
     to_host     the same states back; on the host, the gradients instead (r Φ_os)
 
   `chunk_params`: this device's parameters of each chunk of the streamed update, in order (a unit, or one
   layer of a scanned unit: `work.units`)."""
-  offload, mode = point.sharding.offload, point.sharding.offload_update
+  offload, mode = point.sharding.offload, update_mode(point.sharding, point.reduction, point.sync)
   phi = work.numel / point.s_os
   if not offload:
     return {"before": 0.0, "to_device": 0.0, "to_host": 0.0, "chunk_params": []}
@@ -281,9 +281,7 @@ def offload_bytes(point: Point, work: Workload) -> dict:
             "chunk_params": chunks}
   master = 4 if "master" in offload else 0
   state = (master + work.opt_bytes_per_param) * phi
-  stateful = point.sync.replica_sync is not None or point.sync.outer_sync is not None or (
-      point.reduction.grad_error_feedback)  # a component that reads the step's updates: the bulk fetch
-  kept = mode == "streamed" and work.param_bytes < 4 and not stateful
+  kept = mode == "streamed" and work.param_bytes < 4
   return {"before": 0.0 if kept else master * phi, "to_device": state, "to_host": state, "chunk_params": chunks}
 
 
@@ -321,7 +319,7 @@ def offload_time(point: Point, work: Workload) -> float:
   chunks = moved["chunk_params"]
   own = [work.update_s_per_param * n for n in chunks]  # the device's update of each chunk
   before = moved["before"] / link
-  mode = point.sharding.offload_update
+  mode = update_mode(point.sharding, point.reduction, point.sync)
   if mode == "host":
     return before + moved["to_host"] / link + sum(chunks) / work.host_update_params_per_s - sum(own)
   if mode == "bulk":
