@@ -275,7 +275,8 @@ def build(config: str, layers: int, nodes: int, gpus: int, platform: str):
   params = MODEL + [f"model_config.num_layers={layers}", f"train.batch_size={PER_DEVICE_BATCH * nodes * gpus}"]
   args = account.gin_train_args([os.path.join(ROOT, "configs", f"{config}.gin")], params)
   devices = gpu_aot.devices("h100", nodes, gpus) if platform == "h100" else jax.devices("cpu")[:nodes * gpus]
-  return account.build_executor(args, nodes, devices=devices)
+  built, args, cfg = account.build_executor(args, nodes, devices=devices)
+  return built.executor, args, cfg
 
 
 def measure(config: str, layers: int, nodes: int, gpus: int, platform: str, plain_cache: dict) -> dict:

@@ -67,11 +67,12 @@ def compile_config(config: str, params: list, nodes: int, gpus: int, batch: int 
                    phase: str | None = None):
   gin.clear_config()
   try:
-    ex, args, cfg = compile_cli.gin_executor([config], params, "h100", nodes, gpus)
+    built, args, cfg = compile_cli.gin_executor([config], params, "h100", nodes, gpus)
+    ex = built.executor
     b = batch or args["batch_size"]
     b = b if b % ex.world == 0 else ex.world
     prog, seconds = aot.compile_step(ex, (ex.accum_steps, b, cfg.seq_len + 1), phase=phase)
-    return ex, prog, seconds, b
+    return ex, prog, seconds, b, built.remat
   finally:
     gin.clear_config()
 
@@ -81,12 +82,12 @@ def shipped(dump_hlo: str | None = None) -> dict:
   configs = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.gin"))
                    if not p.endswith(("base.gin", "auto.gin")))
   for config in configs:
-    ex, prog, seconds, batch = compile_config(config, [], 2, 4)
+    ex, prog, seconds, batch, remat = compile_config(config, [], 2, 4)
     if dump_hlo:
       os.makedirs(dump_hlo, exist_ok=True)
       with open(os.path.join(dump_hlo, os.path.basename(config).replace(".gin", ".hlo")), "w") as f:
         f.write(prog.as_text())
-    rep = compile_cli.report(ex, prog, seconds)
+    rep = compile_cli.report(ex, prog, seconds, remat)
     rep.update(config=config, batch_size=batch)
     rows.append(rep)
     print(f"{config}: {seconds:.1f} s, overlap {rep['overlap']}, alive {rep['gathered_alive']['bytes'] / 1e6:.3f} MB",
@@ -107,7 +108,7 @@ def diloco_overlap() -> dict:
   its start and done."""
   rows = []
   for params in ([], ["diloco.overlap=True", "diloco.mix=0.5"], ["diloco.overlap=True", "diloco.mix=0.0"]):
-    ex, prog, seconds, batch = compile_config("configs/diloco_mics.gin", params, 2, 4, phase="outer0")
+    ex, prog, seconds, batch, _ = compile_config("configs/diloco_mics.gin", params, 2, 4, phase="outer0")
     cross = [{**s.to_json(), "cross_node_bytes_per_device": s.collective.cross_node_bytes_per_device}
              for s in schedule_from_hlo(prog.as_text(), ex.mesh) if s.collective.cross_node_bytes_per_device]
     rows.append({"gin_params": params, "batch_size": batch, "compile_s": seconds, "cross_node": cross})
@@ -128,8 +129,8 @@ def remat_prefetch(plans: list, modes: list) -> dict:
     for mode in modes:
       for prefetch in (False, True):
         params = SMALL + [f"{plan}.remat='{mode}'", f"{plan}.prefetch={prefetch}"]
-        ex, prog, seconds, _ = compile_config(PLANS[plan], params, 2, 4)
-        rep = compile_cli.report(ex, prog, seconds)
+        ex, prog, seconds, _, remat = compile_config(PLANS[plan], params, 2, 4)
+        rep = compile_cli.report(ex, prog, seconds, remat)
         rows.append({"plan": plan, "remat": mode, "prefetch": prefetch, "overlap": rep["overlap"],
                      "layer_loops": rep["gathered_alive"]["layer_loops"]})
         print(rows[-1], file=sys.stderr, flush=True)
@@ -148,12 +149,12 @@ def llama(meshes: list, plans: list) -> dict:
     nodes, gpus = (int(v) for v in mesh.split("x"))
     for plan in plans:
       params = LLAMA + (["mics.group_size=None"] if plan == "mics" else [])
-      ex, prog, seconds, batch = compile_config(PLANS[plan], params, nodes, gpus, batch=nodes * gpus)
+      ex, prog, seconds, batch, remat = compile_config(PLANS[plan], params, nodes, gpus, batch=nodes * gpus)
       text = prog.as_text()
       mem = gpu_aot.memory(prog)
       model = compile_cli.memory_report(ex)["expected"]
       acc = step_report(ex, collectives_from_hlo(text, ex.mesh))
-      rep = compile_cli.report(ex, prog, seconds)
+      rep = compile_cli.report(ex, prog, seconds, remat)
       row = {"plan": plan, "mesh": mesh, "prefetch": ex.components.prefetch, "parameters": acc["model_parameters"],
              "batch_per_device": batch // ex.world, "seq_len": 4096, "compile_s": round(seconds, 1),
              "compiled_memory": mem, "memory_report": model,
@@ -198,7 +199,7 @@ def offload_table(meshes: list, sizes: list, plan: str = "zero3") -> dict:
       for offload in ((), ("opt_state", "master")):
         params = llama_shape(size) + [f"{plan}.offload={offload!r}"]
         try:
-          ex, prog, seconds, batch = compile_config(PLANS[plan], params, nodes, gpus, batch=nodes * gpus)
+          ex, prog, seconds, batch, remat = compile_config(PLANS[plan], params, nodes, gpus, batch=nodes * gpus)
         except Exception as e:  # noqa: BLE001  (a benchmark records what failed and goes on)
           rows.append({"plan": plan, "size": size, "mesh": mesh, "offload": list(offload),
                        "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})

@@ -51,5 +51,5 @@ def build(config: str, prefetch: bool = False):
   args = gin_train_args([str(ROOT / "configs" / f"{config}.gin")], list(OVERRIDES))
   if prefetch:
     args["plan"] = dataclasses.replace(args["plan"], prefetch=True)
-  ex, args, _ = build_executor(args, trainer.default_num_nodes())
+  ex = build_executor(args, trainer.default_num_nodes())[0].executor
   return ex, args

@@ -40,7 +40,8 @@ def main(pid, port, out):
     return measured[-1], t
   compute_lib.measure = slowed
   gin.parse_config(["model_config.d_model = 32", "model_config.num_layers = 2", "model_config.seq_len = 16"])
-  ex = trainer.build(planner.auto(profile=path, trials=0), accum_steps=1, batch_size=8)
+  built = trainer.build(planner.auto(profile=path, trials=0), accum_steps=1, batch_size=8)
+  ex = built.executor
   alone = planner.choose(planner.rank(2, 4, planner.workload(ex), prof, techniques=True))["plan"]
   state, step = ex.init(jax.random.key(0)), ex.step_fn()
   b = np.random.default_rng(0).integers(0, 256, (1, 8, 17)).astype(np.int32)
@@ -65,8 +66,8 @@ def main(pid, port, out):
   trial.time_step = timed
   tried = trainer.build(planner.auto(profile=path, trials=1, trial_steps=1), accum_steps=1, batch_size=8)
   with open(os.path.join(out, f"auto{pid}.json"), "w") as f:
-    json.dump({"alone": alone, "measured": first, "plan": ex.plan.name, "error": error, "rows": ex.planner_rows,
-               "loss": float(m.loss), "trial_local": local, "trial_plan": tried.plan.name,
+    json.dump({"alone": alone, "measured": first, "plan": ex.plan.name, "error": error, "rows": built.planner_rows,
+               "loss": float(m.loss), "trial_local": local, "trial_plan": tried.executor.plan.name,
                "trial_rows": tried.planner_rows}, f)
   print(f"process {pid} ran {ex.plan.name}", flush=True)
 

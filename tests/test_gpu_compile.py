@@ -35,9 +35,10 @@ def compiled(config: str, params=(), small: bool = True) -> dict:
   if key not in _cache:
     gin.clear_config()
     try:
-      ex, args, cfg = compile_cli.gin_executor([config], (SMALL if small else []) + list(params), "h100", 2, 4)
+      built, args, cfg = compile_cli.gin_executor([config], (SMALL if small else []) + list(params), "h100", 2, 4)
+      ex = built.executor
       prog, seconds = aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
-      _cache[key] = {"report": compile_cli.report(ex, prog, seconds), "text": prog.as_text(), "ex": ex}
+      _cache[key] = {"report": compile_cli.report(ex, prog, seconds, built.remat), "text": prog.as_text(), "ex": ex}
     finally:
       gin.clear_config()
   return _cache[key]
@@ -219,7 +220,8 @@ def test_one_h100_runs_no_collective_no_quantization_and_the_plain_steps_bytes(p
   gin.clear_config()
   try:
     # the plain step below is remat "full"'s; "auto" would pick "none" on an H100
-    ex, args, cfg = compile_cli.gin_executor([f"configs/{plan}.gin"], SMALL + [f"{plan}.remat='full'"], "h100", 1, 1)
+    built, args, cfg = compile_cli.gin_executor([f"configs/{plan}.gin"], SMALL + [f"{plan}.remat='full'"], "h100", 1, 1)
+    ex = built.executor
     prog, _ = aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
     plain, plain_text = _plain_bytes(ex, cfg, make_optimizer(total_steps=args["steps"]), args["batch_size"])
   finally:

@@ -28,7 +28,8 @@ def compiled(config: str, offload: tuple):
   gin.clear_config()
   try:
     name = config.split("/")[-1][:-4]
-    ex, args, cfg = compile_cli.gin_executor([config], SMALL + [f"{name}.offload={offload!r}"], "h100", 2, 4)
+    built, args, cfg = compile_cli.gin_executor([config], SMALL + [f"{name}.offload={offload!r}"], "h100", 2, 4)
+    ex = built.executor
     prog, _ = aot.compile_step(ex, (ex.accum_steps, args["batch_size"], cfg.seq_len + 1))
     return ex, prog
   finally:
@@ -72,8 +73,8 @@ def test_init_writes_offloaded_states_to_host_memory():
 
   gin.clear_config()
   try:
-    ex, _, _ = compile_cli.gin_executor(["configs/zero3.gin"], SMALL + ["zero3.offload=('opt_state', 'master')"],
-                                        "h100", 2, 4)
+    ex = compile_cli.gin_executor(["configs/zero3.gin"], SMALL + ["zero3.offload=('opt_state', 'master')"],
+                                  "h100", 2, 4)[0].executor
   finally:
     gin.clear_config()
   flat = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(ex.mesh, s)),
@@ -130,7 +131,8 @@ def test_cli_compile_reports_the_offloaded_step_a_gpu_compiles(capsys):
     assert compile_cli.main(["--gin_file=configs/dp.gin", "--mesh=1x1", "--json"]
                             + [f"--gin_param={p}" for p in gin_params]) == 0
     rep = json.loads(capsys.readouterr().out)
-    ex, _, cfg = compile_cli.gin_executor(["configs/dp.gin"], gin_params, "h100", 1, 1)
+    built, _, cfg = compile_cli.gin_executor(["configs/dp.gin"], gin_params, "h100", 1, 1)
+    ex = built.executor
   finally:
     gin.clear_config()
   shape = (1, 1, cfg.seq_len + 1)

@@ -235,9 +235,9 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile_and_a_plan_under_the_
   gin.clear_config()
   gin.parse_config(["model_config.d_model = 32", "model_config.num_layers = 2", "model_config.seq_len = 16"])
   try:
-    ex = trainer.build(planner.auto(profile=str(path), compute="uniform", techniques=False, trials=0), 2,
-                       accum_steps=2, batch_size=8)
-    rows = ex.planner_rows
+    built = trainer.build(planner.auto(profile=str(path), compute="uniform", techniques=False, trials=0), 2,
+                          accum_steps=2, batch_size=8)
+    ex, rows = built.executor, built.planner_rows
     assert ex.plan.name == rows[0]["plan"] and rows == sorted(rows, key=lambda r: r["T_step"])
     assert rows[0]["s_g"] <= 4 and rows[0]["s_p"] <= 4
     assert all(a in ex.mesh.axis_names for a in ex.plan.sharding.grad_axes)
@@ -248,14 +248,15 @@ def test_auto_in_the_trainer_picks_a_plan_from_the_profile_and_a_plan_under_the_
     capsys.readouterr()
     capped = trainer.build(planner.auto(profile=str(path), memory_cap_gb=cap_gb, compute="uniform",
                                         techniques=False, trials=0), 2, accum_steps=2, batch_size=8)
+    capped_plan = capped.executor.plan
   finally:
     gin.clear_config()
   log = capsys.readouterr().out
-  pick = next(r for r in capped.planner_rows if r["plan"] == capped.plan.name)
-  assert pick["fits"] and pick["bytes_per_device"] <= cap_gb * 2**30 and capped.plan.name != "mics-4"
+  pick = next(r for r in capped.planner_rows if r["plan"] == capped_plan.name)
+  assert pick["fits"] and pick["bytes_per_device"] <= cap_gb * 2**30 and capped_plan.name != "mics-4"
   assert pick is next(r for r in capped.planner_rows if r["fits"])
   line = next(m for m in log.splitlines() if m.startswith("zerojax: auto chose"))
-  assert f"auto chose {capped.plan.name}: fastest predicted step" in line and "over the cap" in line
+  assert f"auto chose {capped_plan.name}: fastest predicted step" in line and "over the cap" in line
   # the line names the faster plans over the cap (with the cap, plans over it are also ranked with offload:
   # here an offloaded twin, whose host link costs this tiny model nothing, is the fastest that fits)
   ruled_out = [r for r in capped.planner_rows[:capped.planner_rows.index(pick)] if not r["fits"]]

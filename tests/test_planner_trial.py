@@ -37,7 +37,7 @@ def test_time_step_runs_the_compiled_step():
   gin.clear_config()
   gin.parse_config(TINY)
   try:
-    ex = trainer.build(trial.baselines(2, 4)[0].plan(2, 4), 2, accum_steps=1, batch_size=8)
+    ex = trainer.build(trial.baselines(2, 4)[0].plan(2, 4), 2, accum_steps=1, batch_size=8).executor
   finally:
     gin.clear_config()
   s = trial.time_step(ex, np.zeros((1, 8, 17), np.int32), steps=2)
@@ -58,10 +58,10 @@ def test_auto_takes_the_fastest_measured_plan_not_the_fastest_predicted(tmp_path
   gin.clear_config()
   gin.parse_config(TINY)
   try:
-    ex = trainer.build(planner.auto(profile=str(path), trials=2, trial_steps=1), 2, accum_steps=1, batch_size=8)
+    built = trainer.build(planner.auto(profile=str(path), trials=2, trial_steps=1), 2, accum_steps=1, batch_size=8)
   finally:
     gin.clear_config()
-  rows = ex.planner_rows
+  ex, rows = built.executor, built.planner_rows
   tried = [r for r in rows if "trial_s" in r]
   assert ex.plan.name == "zero3" and rows[0]["plan"] != "zero3"  # not the predicted best
   assert len(timed) == len(tried) == 2 + 3 - sum(r["plan"] in ("zero3", "zeropp", "mics-4") for r in rows[:2])
@@ -80,10 +80,11 @@ def test_no_trials_chooses_the_prediction(tmp_path, monkeypatch):
   gin.clear_config()
   gin.parse_config(TINY)
   try:
-    ex = trainer.build(planner.auto(profile=str(path), trials=0), 2, accum_steps=1, batch_size=8)
+    built = trainer.build(planner.auto(profile=str(path), trials=0), 2, accum_steps=1, batch_size=8)
   finally:
     gin.clear_config()
-  assert ex.plan.name == ex.planner_rows[0]["plan"] and not any("trial_s" in r for r in ex.planner_rows)
+  ex, rows = built.executor, built.planner_rows
+  assert ex.plan.name == rows[0]["plan"] and not any("trial_s" in r for r in rows)
   assert jax.device_count() == 8
 
 
@@ -107,7 +108,8 @@ def test_the_trials_leave_nothing_alive(tmp_path):
     return original_measure(executor, batch, reps)
   trial.compute.measure = tracked
   try:
-    ex = trainer.build(planner.auto(profile=str(path), trials=1, trial_steps=1), 2, accum_steps=1, batch_size=8)
+    built = trainer.build(planner.auto(profile=str(path), trials=1, trial_steps=1), 2, accum_steps=1, batch_size=8)
+    ex = built.executor
   finally:
     trial.compute.measure = original_measure
     gin.clear_config()
@@ -117,4 +119,4 @@ def test_the_trials_leave_nothing_alive(tmp_path):
   assert alive == [], [e.plan.name for e in alive]
   leaked = [a for a in jax.live_arrays() if id(a) not in before]
   assert leaked == [], [(a.shape, a.dtype) for a in leaked[:5]]
-  assert ex.plan.name in {r["plan"] for r in ex.planner_rows}
+  assert ex.plan.name in {r["plan"] for r in built.planner_rows}

@@ -135,8 +135,9 @@ def test_the_users_xla_flags_win_over_zerojaxs_gpu_options(monkeypatch):
 
 def test_the_trainer_reports_its_choice(tmp_path):
   from zerojax.train import trainer
-  ex = trainer.build(zerojax.zero3(), 2, steps=2, batch_size=8)
-  assert ex.remat_choice["remat"] == "full" and ex.remat_choice["capacity"] is None
+  built = trainer.build(zerojax.zero3(), 2, steps=2, batch_size=8)
+  assert built.remat["remat"] == "full" and built.remat["capacity"] is None
+  assert built.executor.components.remat == "full" and built.planner_rows is None
 
 
 @pytest.mark.gpu_compile

@@ -40,18 +40,19 @@ def gin_train_args(gin_files: list[str], gin_params: list[str]) -> dict:
 
 
 def build_executor(args: dict, nodes: int, devices=None):
-  """`train`'s executor for its arguments `args` on `nodes` nodes of `devices` (default `jax.devices()`);
-  returns it with `args` and the model's config (`GPTConfig` or `LlamaConfig`)."""
+  """`train`'s executor for its arguments `args` on `nodes` nodes of `devices` (default `jax.devices()`), with
+  how it was chosen (`zerojax.train.loop.Built`); returns that with `args` and the model's config
+  (`GPTConfig` or `LlamaConfig`)."""
   from zerojax.train import trainer
 
   shared = [k for k in inspect.signature(trainer.build).parameters
             if k not in ("plan", "num_nodes", "devices") and k in args]
-  ex = trainer.build(args["plan"], nodes, devices=devices, **{k: args[k] for k in shared})
-  return ex, args, trainer.model_spec(args.get("architecture", "gpt"), args.get("init_from")).config
+  built = trainer.build(args["plan"], nodes, devices=devices, **{k: args[k] for k in shared})
+  return built, args, trainer.model_spec(args.get("architecture", "gpt"), args.get("init_from")).config
 
 
 def gin_executor(gin_files: list[str], gin_params: list[str], nodes: int):
-  """Parses the gin config as `train.py` does and builds its executor; returns it with `train`'s args."""
+  """Parses the gin config as `train.py` does and builds its executor; returns `build_executor`'s."""
   return build_executor(gin_train_args(gin_files, gin_params), nodes)
 
 
@@ -92,7 +93,8 @@ def main(argv=None) -> None:
     if jax.device_count() < nodes * gpus:
       raise SystemExit(f"error: a {nodes}x{gpus} mesh needs {nodes * gpus} devices, but jax has "
                        f"{jax.device_count()}; use --mesh with at most that many")
-    ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param, nodes)
+    built, train_args, cfg = gin_executor(args.gin_file, args.gin_param, nodes)
+    ex = built.executor
     if ex.mesh.size != nodes * gpus:
       raise SystemExit(f"error: the mesh is {dict(ex.mesh.shape)}, not {nodes}x{gpus}; run with exactly "
                        f"{nodes * gpus} devices")

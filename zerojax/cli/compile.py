@@ -30,7 +30,8 @@ GB = 1e9
 
 def gin_executor(gin_files: list[str], gin_params: list[str], target: str, nodes: int, gpus: int):
   """The executor `train.py` builds for the gin config, on `nodes` x `gpus` compile-only `target` GPUs;
-  returns it with `train`'s arguments."""
+  returns `account.build_executor`'s (the executor with how it was chosen, `train`'s arguments, the model's
+  config)."""
   from zerojax import planner
 
   args = account.gin_train_args(gin_files, gin_params)
@@ -40,8 +41,9 @@ def gin_executor(gin_files: list[str], gin_params: list[str], target: str, nodes
   return account.build_executor(args, nodes, devices=gpu_aot.devices(target, nodes, gpus))
 
 
-def report(ex, compiled, seconds: float) -> dict:
-  """The JSON-ready report of a compiled step (see the module docstring)."""
+def report(ex, compiled, seconds: float, remat: dict | None = None) -> dict:
+  """The JSON-ready report of a compiled step (see the module docstring); `remat`: how remat "auto" was
+  resolved (`Built.remat`)."""
   text = compiled.as_text()
   found = collectives_from_hlo(text, ex.mesh)
   scheduled = schedule_from_hlo(text, ex.mesh, collectives=found)
@@ -51,7 +53,7 @@ def report(ex, compiled, seconds: float) -> dict:
       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "compile_s": seconds,
       "compiler_options": ex.compiler_options(),
       "compiler_options_user": gpu_aot.options_report(ex.mesh)["user"],
-      "remat": ex.remat_choice or {"remat": ex.components.remat, "why": "set by the plan"},
+      "remat": remat or {"remat": ex.components.remat, "why": "set by the plan"},
       "collectives": [s.to_json() for s in scheduled],
       "overlap": overlap_summary(scheduled),
       "gathered_alive": gathered_alive(text, scheduled),
@@ -110,7 +112,8 @@ def main(argv=None) -> int:
   mesh_lib.request_cpu_devices(nodes * gpus)  # a step with offloaded state traces on as many (`aot.compile_step`)
   try:
     gpu_aot.compile_only_host()
-    ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param, args.target, nodes, gpus)
+    built, train_args, cfg = gin_executor(args.gin_file, args.gin_param, args.target, nodes, gpus)
+    ex = built.executor
   except (gpu_aot.PluginMissing, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   batch = args.batch_size or train_args["batch_size"]
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
   if args.dump_hlo:
     with open(args.dump_hlo, "w") as f:
       f.write(compiled.as_text())
-  rep = report(ex, compiled, seconds)
+  rep = report(ex, compiled, seconds, built.remat)
   rep.update(config={"gin_files": args.gin_file, "gin_params": args.gin_param, "target": args.target,
                      "batch_size": batch, "accum_steps": ex.accum_steps, "seq_len": cfg.seq_len})
   if args.json:

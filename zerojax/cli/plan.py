@@ -68,7 +68,8 @@ def main(argv=None) -> int:
   from zerojax.train import trainer
   from zerojax.planner import compute as compute_lib, profile as profile_lib
 
-  ex, train_args, cfg = gin_executor(args.gin_file, args.gin_param + ["train.plan=@zero3()"], nodes)
+  built, train_args, cfg = gin_executor(args.gin_file, args.gin_param + ["train.plan=@zero3()"], nodes)
+  ex = built.executor
   batch = np.zeros((ex.accum_steps, train_args["batch_size"], cfg.seq_len + 1), np.int32)
   run = {k: ex.plan.settings()[k] for k in trainer.RUN_SETTINGS}  # the run's settings, for every candidate
   make = lambda p: type(ex)(ex.model, ex.user_optimizer, dataclasses.replace(p, **run), ex.mesh,

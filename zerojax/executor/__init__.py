@@ -75,13 +75,7 @@ class Executor:
     placement: where the train state lives (`zerojax.state.placement`: one copy or one per replica; host offload).
     states: the train state's creation, shardings and views (`TrainStates`).
     steps: the step and evaluation programs (`Steps`).
-    planner_rows: the planner's ranked table when `auto()` chose this executor's plan (set by the trainer,
-      written to `summary.json`); None otherwise.
-    remat_choice: how `remat="auto"` was resolved for this executor (`zerojax.planner.remat.choose`'s
-      report, set by the trainer); None when nothing chose it.
   """
-  planner_rows: list[dict] | None = None
-  remat_choice: dict | None = None
 
   def __init__(self, model: Model, optimizer: optax.GradientTransformation, plan: Plan, mesh: Mesh, *,
                accum_steps: int = 1, gpu: bool | None = None):

@@ -81,14 +81,24 @@ class RunConfig:
   wandb_entity: str | None
 
 
+class Built(NamedTuple):
+  """The executor a run trains with and what choosing it found: how remat "auto" was resolved
+  (`zerojax.planner.remat.choose`'s report) and the planner's ranked table where `auto()` chose the plan."""
+  executor: Executor
+  remat: dict
+  planner_rows: list | None = None
+
+
 class Setup(NamedTuple):
   """What a run trains: the model (with the data's vocabulary), the data, the executor, the settings its
-  checkpoints record, and those allowed to differ from a checkpoint's (`--allow_changed`)."""
+  checkpoints record, those allowed to differ from a checkpoint's (`--allow_changed`), and how the
+  executor was chosen (`Built`)."""
   spec: ModelSpec
   dataset: data_lib.Dataset
   ex: Executor
   settings: dict
   allowed: set
+  built: Built
 
 
 class Start(NamedTuple):

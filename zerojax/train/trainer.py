@@ -22,7 +22,7 @@ from zerojax.planner import remat as remat_choice
 from zerojax.train import checkpoint as checkpoint_lib, config as config_lib, data as data_lib
 from zerojax.train import export as export_lib, node_parts, replica as replica_lib, report, user_model
 from zerojax.train import model_spec as spec_lib, tokenizer as tokenizer_lib
-from zerojax.train.loop import Loop, RunConfig, Setup, Start, say as _say
+from zerojax.train.loop import Built, Loop, RunConfig, Setup, Start, say as _say
 from zerojax.train.progress import Progress
 from zerojax.train.model_spec import ModelSpec, llama_config, model_config, model_spec  # noqa: F401  (gin configurables)
 from zerojax.train import gin_registry  # noqa: F401  (registers the plan constructors with gin)
@@ -68,13 +68,14 @@ def with_run_settings(plan: Plan, param_dtype: str | None = None, compute_dtype:
 def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_steps: int = 1,
           pad_multiple: int = 256, param_dtype: str | None = None, compute_dtype: str | None = None,
           batch_size: int = 32, model: str | None = None, devices=None, architecture: str = "gpt",
-          init_from: str | None = None, spec: ModelSpec | None = None) -> Executor:
+          init_from: str | None = None, spec: ModelSpec | None = None) -> Built:
   """The executor `train` runs: the gin-configured GPT (or the user's `model`) and optimizer under `plan`
   on a fresh mesh.
 
   Args mirror `train`'s (`steps` sets the optimizer's schedule); also used by `zerojax.cli.account`;
   `devices` (default `jax.devices()`) are those of the mesh, e.g. compile-only GPUs (`zerojax.gpu_aot`);
-  `spec` (default: from `architecture`, `init_from` and gin, `model_spec.model_spec`) is the model. With `plan = auto()` the AMSP planner picks the plan (`planner_rows` on the executor holds its table).
+  `spec` (default: from `architecture`, `init_from` and gin, `model_spec.model_spec`) is the model. With
+  `plan = auto()` the AMSP planner picks the plan. Returns the executor with how it was chosen (`Built`).
   """
   spec = spec or spec_lib.model_spec(architecture, init_from)
   if isinstance(plan, planner.Auto):
@@ -91,22 +92,19 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
   # remat "auto": the fastest mode whose compiled step fits the device (on CPUs: the rule)
   plan, choice = remat_choice.choose(net, optimizer, plan, mesh, (accum_steps, batch_size, cfg.seq_len + 1),
                                      accum_steps=accum_steps)
-  ex = Executor(net, optimizer, plan, mesh, accum_steps=accum_steps)
-  ex.remat_choice = choice
-  return ex
+  return Built(Executor(net, optimizer, plan, mesh, accum_steps=accum_steps), choice)
 
 
-def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Executor:
+def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Built:
   """Builds ZeRO-3 to read the model's units, measures the plans' compute (`auto.compute`), then builds
   the chosen plan."""
   lead = jax.process_index() == 0
-  ex = build(zero3(), num_nodes, **kw)
+  ex = build(zero3(), num_nodes, batch_size=batch_size, **kw).executor
   batch = np.zeros((ex.accum_steps, batch_size, kw["spec"].seq_len + 1), np.int32)
-  plan, rows = choice.plan_for(ex.mesh, planner.workload(ex), lambda p: build(p, num_nodes, **kw), batch,
+  plan, rows = choice.plan_for(ex.mesh, planner.workload(ex),
+                               lambda p: build(p, num_nodes, batch_size=batch_size, **kw).executor, batch,
                                log=(lambda m: print(m, flush=True)) if lead else (lambda m: None))
-  chosen = build(plan, num_nodes, **kw)
-  chosen.planner_rows = rows
-  return chosen
+  return build(plan, num_nodes, batch_size=batch_size, **kw)._replace(planner_rows=rows)
 
 
 @gin.configurable(denylist=["workdir", "data", "eval_data", "restore_from", "allow_changed", "node_copy",
@@ -242,16 +240,17 @@ def _setup(run: RunConfig) -> Setup:
                                tokenizer=tok)  # reads no ids: cheap, and it says the vocabulary
   spec = spec.with_vocab(dataset.vocab_size)
   data_lib.check_vocab(dataset, spec.config.vocab_size)
-  ex = build(run.plan, run.num_nodes, steps=run.steps, accum_steps=run.accum_steps, pad_multiple=run.pad_multiple,
-             param_dtype=run.param_dtype, compute_dtype=run.compute_dtype, batch_size=run.batch_size,
-             model=run.model, spec=spec)
+  built = build(run.plan, run.num_nodes, steps=run.steps, accum_steps=run.accum_steps,
+                pad_multiple=run.pad_multiple, param_dtype=run.param_dtype, compute_dtype=run.compute_dtype,
+                batch_size=run.batch_size, model=run.model, spec=spec)
+  ex = built.executor
   ex.check_batch((run.accum_steps, run.batch_size, spec.config.seq_len + 1))
-  if ex.remat_choice.get("rows"):  # chosen by compiling (GPUs): say what and why
-    _say(ex.remat_choice["why"])
+  if built.remat.get("rows"):  # chosen by compiling (GPUs): say what and why
+    _say(built.remat["why"])
   settings = config_lib.run_settings(spec.settings(), steps=run.steps, batch_size=run.batch_size,
                                      accum_steps=run.accum_steps, user_model=run.model,
                                      data=data_lib.identity(dataset))
-  return Setup(spec, dataset, ex, settings, allowed)
+  return Setup(spec, dataset, ex, settings, allowed, built)
 
 
 def _resume(run: RunConfig, s: Setup, ckpt) -> tuple[Copies | None, checkpoint_lib.Resumed | None]:
@@ -311,9 +310,9 @@ def _summary(run: RunConfig, s: Setup, loop: Loop) -> dict:
              "data_wait_s": float(np.median(waits)) if waits else None, "memory_bytes_per_device": memory_report(ex)["expected"],
              "plan_fields": {"name": plan.name, **{k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
                                                     for k, v in plan.settings().items()}}}
-  if ex.planner_rows:
-    summary["planner"] = ex.planner_rows
-  summary["remat"] = ex.remat_choice
+  if s.built.planner_rows:
+    summary["planner"] = s.built.planner_rows
+  summary["remat"] = s.built.remat
   if run.compute_dtype is None:  # what the platform chose (an explicit setting wins)
     summary["platform_defaults"] = {"compute_dtype": ex.plan.settings()["compute_dtype"],
                                     "platform": mesh.devices.flat[0].platform}
