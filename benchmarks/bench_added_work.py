@@ -19,7 +19,8 @@ H100s. Figures per device (the programs are per-device SPMD programs):
     trip counts of the loops that hold it: `bytes` (operands read + results written; a slice of an
     operand counts as the slice, an in-place dynamic-update-slice as its update), `fusions` (non-matmul
     fusions), `kernels` (every non-matmul kernel: fusions, custom calls and unfused ops), `matmuls`,
-    `collectives`, `quantized` (kernels that produce or consume s8/u8/s4/u4/f8 arrays).
+    `collectives`, `quantized` (kernels that produce or consume s8/u8/s4/u4/f8 arrays:
+    `analysis.quantized_arrays`, which leaves out cuDNN's and cuBLAS's u8/s8 workspaces).
   * `added_per_layer`: (plan - plain at L2 layers) - (plan - plain at L1 layers), over L2 - L1: what one
     more layer adds to the plan beyond the plain step; `added_fixed`: the rest (per step: the embedding and
     head units, the optimizer on sharded state, loss and metrics). `added_by_op`: the added kernels and
@@ -60,6 +61,7 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 from zerojax import gpu_aot  # noqa: E402
 from zerojax.executor import aot  # noqa: E402
 from zerojax.analysis.hlo_text import OPS, Module, arrays, attr, callees, nbytes  # noqa: E402
+from zerojax.analysis.quantized import quantized_arrays  # noqa: E402
 from zerojax.cli import account  # noqa: E402
 from zerojax.models.gpt import Block, embed_tokens, head_loss  # noqa: E402
 from zerojax.train.optim import make_optimizer  # noqa: E402
@@ -75,7 +77,6 @@ _SKIP = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitca
                    "after-all", "opt-barrier", "add-dependency", "while", "call", "conditional", "domain"})
 _SLICES = frozenset({"slice", "dynamic-slice"})
 _MATMUL_TARGETS = re.compile(r"gemm|matmul|conv", re.I)
-_NARROW = re.compile(r"\b(s8|u8|s4|u4|f8e4m3fn|f8e5m2)\[")
 _COLLECTIVE = tuple(OPS) + tuple(o + "-start" for o in OPS)
 
 
@@ -214,6 +215,8 @@ def work(text: str) -> dict:
   quantization kernels; `by_op` the non-matmul kernels and their bytes by the primitive that emitted
   them; `bytes_once` the bytes with every loop body counted once (what XLA's cost analysis counts)."""
   mod = Module(text)
+  # s8/u8/s4/u4/f8 data, not cuDNN's and cuBLAS's u8/s8 workspaces (`analysis.quantized_arrays`)
+  quantized = {(q.computation, q.name) for q in quantized_arrays(text)}
   tot = collections.Counter()
   by_op = collections.defaultdict(lambda: [0, 0.0])
   for comp, n in _top_level(mod).items():
@@ -238,8 +241,7 @@ def work(text: str) -> dict:
         continue
       tot["kernels"] += n
       tot["fusions"] += n * (op == "fusion")
-      narrow = _NARROW.search(instr.shape) or any(_NARROW.search(_shape(mod, comp, instr, k))
-                                                 for k in range(len(instr.operands)))
+      narrow = (comp, instr.name) in quantized or any((comp, o) in quantized for o in instr.operands)
       tot["quantized"] += n * bool(narrow)
       e = by_op[_source(instr)]
       e[0] += n

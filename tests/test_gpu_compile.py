@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu_compile
 if not gpu_aot.plugin_installed():
   pytest.skip("compiling for GPUs needs jax's CUDA plugin: pip install -e '.[gpu-aot]'", allow_module_level=True)
 
+from zerojax.analysis import QUANTIZED_TYPES, quantized_arrays  # noqa: E402
 from zerojax.analysis.schedule import LAYER_ROLES  # noqa: E402
 from zerojax.cli import compile as compile_cli  # noqa: E402
 
@@ -42,6 +43,21 @@ def compiled(config: str, params=(), small: bool = True) -> dict:
     finally:
       gin.clear_config()
   return _cache[key]
+
+
+@pytest.mark.parametrize("params,want", [((), "bfloat16"), (("train.compute_dtype='float32'",), "float32")])
+def test_the_gpu_computes_in_bf16_unless_the_config_says_otherwise(params, want):
+  """configs/base.gin leaves the compute dtype to the platform: a shipped config built for GPUs computes
+  in bf16, its weights on the wire bf16 and its gradient reductions fp32 as before;
+  `train.compute_dtype='float32'` wins."""
+  gin.clear_config()
+  try:
+    ex = compile_cli.gin_executor(["configs/zero3.gin"], SMALL + ["zero3.remat='full'", *params], "h100", 2,
+                                  4)[0].executor
+  finally:
+    gin.clear_config()
+  s = ex.plan.settings()
+  assert (s["compute_dtype"], s["param_dtype"], s["reduce_dtype"]) == (want, "bfloat16", "float32")
 
 
 @pytest.mark.parametrize("config", ["configs/zero3.gin", "configs/zeropp.gin", "configs/mics.gin"])
@@ -133,12 +149,15 @@ def test_every_collective_has_a_role_and_every_layer_collective_compute_in_fligh
   and done, and the overlap table counts each of them under its role. MiCS's replica all-reduce, on
   the slow cross-node link, has a matmul in flight (layer i's backward: layer i+1's reduce-scatter,
   whose result it sums, runs beside layer i's recomputed forward); before, it followed the
-  reduce-scatter with only the loop's slice updates between its start and done."""
+  reduce-scatter with only the loop's slice updates between its start and done. Each config computes in
+  the GPUs' bf16 with cuDNN's fused attention, and holds quantized arrays (`analysis.quantized_arrays`)
+  exactly where its plan quantizes, every collective of an 8- or 4-bit type among them."""
   from collections import Counter
 
   # remat "auto" (the default) prices each mode: MiCS's in-backward replica all-reduce has no matmul beside
   # it under "none" and the recomputed forward under "full", which it therefore takes (`planner.remat`).
-  rep = compiled(config, small=False)["report"]
+  got = compiled(config, small=False)
+  rep = got["report"]
   if config in SYNC_IN_BACKWARD:
     assert rep["remat"]["remat"] == "full" and "faster than 'none'" in rep["remat"]["why"], rep["remat"]
   assert rep["device_kind"] == "NVIDIA H100 80GB HBM3"
@@ -156,6 +175,15 @@ def test_every_collective_has_a_role_and_every_layer_collective_compute_in_fligh
   sync = [c for c in loop if c["role"] == "replica sync"]
   assert bool(sync) == (config in SYNC_IN_BACKWARD), sync
   assert all(c["matmuls_between"] >= 1 and c["axes"] == ["node"] for c in sync), sync
+  # quantized data where the plan quantizes, and only there: every collective of an 8-/4-bit type is among
+  # the quantized arrays; a plan without qwZ / qgZ has none, though its bf16 step calls cuDNN (u8 workspaces)
+  settings, found = got["ex"].plan.settings(), quantized_arrays(got["text"])
+  wire = [c["name"] for c in rep["collectives"] if set(c["dtype"].split(",")) & set(QUANTIZED_TYPES)]
+  assert settings["compute_dtype"] == "bfloat16" and "__cudnn$fmha" in got["text"]  # the GPU's defaults
+  if any(settings[k] for k in ("weight_bits", "grad_bits", "weight_format", "grad_format")):
+    assert wire and set(wire) <= {q.name for q in found}, (wire, found[:10])
+  else:
+    assert not wire and not found, (wire, found[:10])
 
 
 def _plain_bytes(ex, cfg, optimizer, batch: int) -> tuple[float, str]:
@@ -210,9 +238,11 @@ def _bytes_accessed(compiled) -> float:
 @pytest.mark.parametrize("plan", ["zero3", "zeropp", "mics"])
 def test_one_h100_runs_no_collective_no_quantization_and_the_plain_steps_bytes(plan):
   """On one compile-only H100 (mesh 1 x 1) the plan moves nothing and quantizes nothing: its program has
-  no collective, no int8/int4/float8 array and no quantization kernel, and prefetch is off (nothing to
-  fetch ahead); XLA's bytes accessed are within 5% of a plain `jax.jit(value_and_grad)` + optax step of
-  the same model, dtypes and remat (docs/gpu.md, "Work a device does not need")."""
+  no collective, no int8/int4/float8 array (`analysis.quantized_arrays`: the u8 workspaces of cuDNN's fused
+  attention, which the platform's bf16 compute calls, are not data) and no quantization kernel, and
+  prefetch is off (nothing to fetch ahead); XLA's bytes accessed are within 5% of a plain
+  `jax.jit(value_and_grad)` + optax step of the same model, dtypes and remat (docs/gpu.md, "Work a device
+  does not need")."""
   import re
 
   from zerojax.train.optim import make_optimizer
@@ -228,7 +258,8 @@ def test_one_h100_runs_no_collective_no_quantization_and_the_plain_steps_bytes(p
     gin.clear_config()
   text = prog.as_text()
   assert not re.findall(r"\b(?:all-gather|reduce-scatter|all-to-all|all-reduce|collective-permute)(?:-start)?\(", text)
-  assert not re.findall(r"\b(?:s8|u8|s4|u4|f8e4m3fn|f8e5m2)\[", text)
+  assert not quantized_arrays(text), quantized_arrays(text)  # cuDNN's u8 workspaces are scratch, not data
+  assert ex.plan.settings()["compute_dtype"] == "bfloat16" and "__cudnn$fmhaSoftmax" in text  # the GPU's defaults
   assert "__gpu$xla.gpu.triton" not in text and "mosaic" not in text.lower()  # no Pallas / Triton / Mosaic kernel
   assert ex.components.prefetch is False
   ratio = _bytes_accessed(prog) / plain

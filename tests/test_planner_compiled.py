@@ -44,6 +44,26 @@ def test_cli_plan_refuses_bad_compiled_arguments(args, want, capsys):
   assert e.value.code == 2 and want in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("params, want", [([], "bfloat16"), pytest.param(["train.compute_dtype='float32'"], "float32",
+                                                                         marks=pytest.mark.slow)])
+def test_cli_plan_compiles_for_gpus_in_their_compute_dtype(params, want, monkeypatch, capsys):
+  """`--compiled_memory` builds its executor on this host's CPUs (fp32, the CPU's compute dtype) but
+  compiles for GPUs: where the config leaves the compute dtype to the platform (configs/base.gin), the GPUs'
+  bf16; an explicit `train.compute_dtype` wins (the compile itself is replaced here)."""
+  from zerojax.cli import plan as plan_cli
+  seen = []
+  monkeypatch.setattr(gpu_aot, "compile_only_host", lambda: None)
+  monkeypatch.setattr(compiled, "memory", lambda pt, *a, **kw: seen.append(kw["compute_dtype"]) or {"peak": 1.0})
+  tiny = ["model_config.seq_len=16", "model_config.d_model=32", "model_config.num_heads=2",
+          "model_config.num_layers=2", "train.batch_size=16"]
+  argv = ["--gin_file", "configs/zero3.gin", "--compiled_memory", "h100", "--compiled_top", "1",
+          "--profile", str(ROOT / "tests" / "golden" / "profile_2x4.json")]
+  for p in tiny + params:
+    argv += ["--gin_param", p]
+  assert plan_cli.main(argv) == 0
+  assert seen == [want], seen
+
+
 def test_memory_refuses_no_micro_batches():
   with pytest.raises(ValueError, match="accum=0, batch_per_device=1: use positive"):
     compiled.memory(planner.Point(1, 1, 8), None, 16, 2, 4, "a100", accum=0)

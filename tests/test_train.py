@@ -9,9 +9,13 @@ from tests.train_helpers import command, error_line, error_line_of, run_main, tr
 
 @pytest.mark.parametrize("gin_file", [pytest.param("configs/mics.gin", marks=pytest.mark.e2e), "configs/zeropp.gin"])
 def test_train_writes_metrics_and_loss_falls(tmp_path, gin_file):
-  """The fast suite's smoke test of train.py as a user runs it (a subprocess); MiCS in the full suite."""
+  """The fast suite's smoke test of train.py as a user runs it (a subprocess); MiCS in the full suite.
+  The shipped config leaves the compute dtype to the platform (fp32 on CPUs) and summary.json says so;
+  MiCS's run sets it (`train.compute_dtype='float32'`): an explicit setting wins, and no platform default
+  is reported."""
+  explicit = gin_file == "configs/mics.gin"
   r = train(tmp_path, "train.steps=10", "make_optimizer.learning_rate=1e-2", "make_optimizer.warmup_steps=2",
-            gin_file=gin_file)
+            *(["train.compute_dtype='float32'"] if explicit else []), gin_file=gin_file)
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [row["step"] for row in rows] == list(range(1, 11))
@@ -20,6 +24,8 @@ def test_train_writes_metrics_and_loss_falls(tmp_path, gin_file):
   assert summary["mesh"] == {"node": 2, "gpu": 4} and summary["skipped_steps"] == 0
   assert summary["final_loss"] < summary["first_loss"] - 0.5
   assert summary["status"] == "finished" and summary["plan_name"] == gin_file[8:-4]
+  assert summary["plan_fields"]["compute_dtype"] == "float32"
+  assert summary.get("platform_defaults") == (None if explicit else {"compute_dtype": "float32", "platform": "cpu"})
 
 
 @pytest.mark.parametrize("params,extra,expect", [

@@ -333,6 +333,18 @@ def _parse_instr(line: str, comp: str) -> Instr | None:
   return Instr(name, shape, om.group(1), operands, inline, rest[end:].lstrip(", "), comp, bool(m.group(1)))
 
 
+def computation_header(line: str) -> str | None:
+  """The computation a line of HLO text opens (`%name (...) -> ... {`, `ENTRY %name ... {`); None for
+  any other line."""
+  m = _HEADER.match(line)
+  return m.group(2) if m and not line.startswith("HloModule") and not _INSTR.match(line) else None
+
+
+def parse_instruction(line: str, computation: str) -> Instr | None:
+  """The instruction a line of HLO text defines in `computation`; None where the line defines none."""
+  return _parse_instr(line, computation)
+
+
 def groups_attr(attrs: str) -> str:
   """The `replica_groups=` value in any of its forms; `{}` when absent."""
   m = re.search(r"(?:^|[\s,])replica_groups=(mesh\[.*?\{[^}]*\}|\[[\d,\s]*\]<=\[[\d,\s]*\](?:T\([\d,\s]*\))?)",

@@ -13,7 +13,8 @@ collectives are profiled now, on this process's devices.
 
 `--compiled_memory a100` (or h100) compiles the train step of the `--compiled_top` fastest plans the
 memory model lets fit for `--mesh` compile-only GPUs of that kind (`zerojax.planner.compiled`; needs
-`pip install -e '.[gpu-aot]'`) and decides whether they fit by the compiled per-device peak instead.
+`pip install -e '.[gpu-aot]'`) and decides whether they fit by the compiled per-device peak instead;
+those steps compute in the GPUs' dtype (bf16) unless `train.compute_dtype` sets one.
 """
 from __future__ import annotations
 
@@ -98,9 +99,11 @@ def main(argv=None) -> int:
                       lossy=args.lossy, compute=table, overlap=args.overlap)
   if args.compiled_memory:
     from zerojax.planner import compiled
+    # the GPUs' compute dtype where the run leaves it to the platform (ex, built on this host, has the CPU's)
+    on_gpus = dict(run, compute_dtype=train_args.get("compute_dtype") or trainer.platform_compute_dtype("gpu"))
     memory_of = lambda pt: compiled.memory(pt, ex.model, cfg.seq_len, nodes, gpus, args.compiled_memory,
                                            accum=ex.accum_steps, batch_per_device=train_args["batch_size"] // world,
-                                           optimizer=ex.user_optimizer, **run)
+                                           optimizer=ex.user_optimizer, **on_gpus)
     rows = compiled.check_rows(rows, memory_of, cap, args.compiled_top)
   try:
     best = planner.choose(rows, cap)

@@ -40,9 +40,11 @@ def default_num_nodes() -> int:
 
 
 def platform_compute_dtype(mesh) -> str:
-  """The compute dtype where `train.compute_dtype` is unset: bf16 on GPUs (the tensor cores' dtype; the
-  master weights stay fp32), fp32 on CPUs (where bf16 matmuls are slower than fp32)."""
-  return "float32" if mesh.devices.flat[0].platform == "cpu" else "bfloat16"
+  """The compute dtype where `train.compute_dtype` is unset (as `configs/base.gin` leaves it): bf16 on GPUs
+  (the tensor cores' dtype; the master weights stay fp32), fp32 on CPUs (where bf16 matmuls are slower
+  than fp32). `mesh`: the run's mesh, or a platform's name ("cpu", "gpu")."""
+  platform = mesh if isinstance(mesh, str) else mesh.devices.flat[0].platform
+  return "float32" if platform == "cpu" else "bfloat16"
 
 
 def with_run_settings(plan: Plan, param_dtype: str | None = None, compute_dtype: str | None = None,
@@ -313,7 +315,10 @@ def _summary(run: RunConfig, s: Setup, loop: Loop) -> dict:
   if s.built.planner_rows:
     summary["planner"] = s.built.planner_rows
   summary["remat"] = s.built.remat
-  if run.compute_dtype is None:  # what the platform chose (an explicit setting wins)
+  # the platform chose the compute dtype where neither train.compute_dtype nor a plan built in Python sets it
+  chose = run.compute_dtype is None and (isinstance(run.plan, planner.Auto)
+                                         or run.plan.settings()["compute_dtype"] is None)
+  if chose:
     summary["platform_defaults"] = {"compute_dtype": ex.plan.settings()["compute_dtype"],
                                     "platform": mesh.devices.flat[0].platform}
   if ex.prefetch_fallbacks():
