@@ -2,6 +2,7 @@
 import dataclasses
 import socket
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +51,13 @@ def reference_train(model, opt, params, batches):
     params, o, l = step(params, o, b)
     losses.append(float(l))
   return params, losses
+
+
+def assert_trees_identical(*trees):
+  """Equal trees, leaf by leaf equal in value, shape and dtype (`np.testing.assert_array_equal(strict=True)` on
+  each leaf). chex compares bfloat16 leaves as float32, so the dtypes are checked first on their own."""
+  chex.assert_trees_all_equal_dtypes(*trees)
+  chex.assert_trees_all_equal(*trees, strict=True)
 
 
 def max_rel_diff(a, b):

@@ -76,7 +76,7 @@ def test_restore_is_exact_in_the_flat_layout(saved):
   """Same executor: the flat padded state comes back bit for bit, padding included."""
   ex, state, _, path = saved
   got, _ = restore(ex, path)
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b), strict=True), got, state)
+  helpers.assert_trees_identical(got, state)
 
 
 def test_stored_layout_is_logical(saved):

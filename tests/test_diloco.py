@@ -3,6 +3,7 @@ inner step's program (nothing crosses nodes), per-replica state in checkpoints, 
 from __future__ import annotations
 
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,14 +172,13 @@ def test_checkpoint_between_syncs_resumes_bitwise_and_restores_onto_another_mesh
     losses.append(float(m.loss))
   _, full, _, full_losses = run(outer, opt, 6)
   assert losses == full_losses[3:]
-  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(restored)),
-                                                  jax.tree.leaves(jax.device_get(full))))
+  chex.assert_trees_all_equal(restored, full)
   small = zerojax.Executor(helpers.tiny_gpt(), opt, plans.mics(outer_sync=outer, param_dtype="float32"),
                            zerojax.make_mesh(2, 2, devices=jax.devices()[:4]), accum_steps=2)
   with Checkpointer(str(tmp_path), read_only=True) as c:
     other, _ = c.restore(small)
   a, b = state_spec.logical_state(ex, state), state_spec.logical_state(small, other)
-  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(jax.device_get(a)), jax.tree.leaves(jax.device_get(b))))
+  chex.assert_trees_all_equal(a, b)
 
 
 def test_an_optax_outer_optimizers_state_is_stored_logically_and_counted():
@@ -191,8 +191,7 @@ def test_an_optax_outer_optimizers_state_is_stored_logically_and_counted():
   assert sorted(x.shape for x in mu) == sorted(l.logical_shape for l in ex.layout.leaves)
   assert int(np.asarray(tree["outer"]["momentum"]["0"]["count"])) == 1  # one sync in two steps
   back = state_spec.state_from_logical(ex, tree)
-  for a, b in zip(jax.tree.leaves(back.stateful["outer"]), jax.tree.leaves(state.stateful["outer"])):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(back.stateful["outer"], state.stateful["outer"])
   rep = memory_report(ex, state)
   assert rep["expected"]["outer"] == rep["measured"]["outer"] == 3 * rep["expected"]["master"]  # params, mu, nu
 

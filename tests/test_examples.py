@@ -1,5 +1,6 @@
 """The examples: each one's gradients, aux and statistics equal the unsharded flax `apply` (one ZeRO-3
 step), and a short run with the ZeRO++ plan lowers the loss."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +49,7 @@ def check_against_reference(ex, apply_fn, batch, mesh, x64=False):
     bound = max(bound, 2 * helpers.rel_l2(jax.tree.map(np.asarray, ref32[0]), grad))
   assert helpers.rel_l2(got, grad) < bound
   np.testing.assert_allclose(float(metrics.loss), float(loss), rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), metrics.aux, aux)
+  chex.assert_trees_all_close(metrics.aux, aux, rtol=1e-5, atol=1e-7)
   return ex.logical_variables(state), stats
 
 

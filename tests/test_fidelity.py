@@ -4,6 +4,7 @@ Each option off is bitwise the plain path; error feedback loses nothing; stochas
 and reproducible; rotation round-trips; every kernel backend gives the same bits; and the int4
 combination's gradient is measurably closer to `jax.grad` than plain int4's.
 """
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,8 +200,7 @@ def test_int4_combination_tracks_jax_grad_better_than_plain_int4():
   assert e_fed < 0.06 and e_fed < e_plain / 3, (e_fed, e_plain)
   # the errors are train state: they survive the stored (logical) form bitwise
   back = state_spec.state_from_logical(ex, state_spec.logical_state(ex, state))
-  for a, b in zip(jax.tree.leaves(back.stateful["grad_error"]), jax.tree.leaves(state.stateful["grad_error"])):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(back.stateful["grad_error"], state.stateful["grad_error"])
   assert any(float(jnp.abs(e).max()) > 0 for e in jax.tree.leaves(state.stateful["grad_error"]))
   rep = memory_report(ex, state)
   assert rep["measured"]["grad_error"] == rep["expected"]["grad_error"] > 0

@@ -1,6 +1,7 @@
 """flax models in two statements: every plan's gradients, loss, aux and BatchNorm statistics equal the
 unsharded flax `apply` on each device's slice of each micro-batch (exact up to fp32 reassociation;
 bounded with ZeRO++'s quantization); the user's tree comes back; optax masks see the logical rank."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,7 +73,6 @@ def check_step(model, batch, v0, ref, plan, mesh, **kw):
   state = ex.init_from_params(v0["params"], {"batch_stats": v0["batch_stats"]})
   got, metrics, state = fm.step_grads(ex, state, batch)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grad))
-  worst = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(grad)))
   new_stats = ex.logical_variables(state)["batch_stats"]
   if plan == "zeropp":
     # int8 weights in bf16 and int4 gradient hops (half a step is 1/14 of a block's absmax): 16-19%
@@ -82,9 +82,10 @@ def check_step(model, batch, v0, ref, plan, mesh, **kw):
     assert helpers.max_rel_diff(new_stats, stats["batch_stats"]) < 5e-2
     assert float(metrics.aux["weight"]) == pytest.approx(float(aux["weight"]))
     return
-  assert helpers.rel_l2(got, grad) < 2e-6 and worst < 1e-5 * scale
+  assert helpers.rel_l2(got, grad) < 2e-6
+  chex.assert_trees_all_close(got, grad, rtol=0, atol=1e-5 * scale)  # each leaf against the largest element
   np.testing.assert_allclose(float(metrics.loss), float(loss), rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), metrics.aux, aux)
+  chex.assert_trees_all_close(metrics.aux, aux, rtol=1e-6)
   assert helpers.max_rel_diff(new_stats, stats["batch_stats"]) < 1e-5
 
 
@@ -114,7 +115,7 @@ def test_unscanned_linen_blocks_are_units(mesh):
 def test_logical_tree_is_the_users(linen, mesh):
   model, _, v0, _ = linen
   variables = fm.Net().init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, fm.batch()["x"][:2])
-  assert jax.tree.map(lambda x: (x.shape, x.dtype), v0) == jax.tree.map(lambda x: (x.shape, x.dtype), variables)
+  chex.assert_trees_all_equal_shapes_and_dtypes(v0, variables)
   assert v0["params"]["blocks"]["Dense_0"]["kernel"].shape == (3, fm.D, fm.D)
   ex = executor(model, "zero3", mesh)
   state = ex.init(jax.random.key(0))  # as under dp: the initialisation does not depend on the plan

@@ -183,7 +183,7 @@ def test_checkpoint_restores_batch_stats_and_rng(tmp_path, mesh):
   with checkpoint.Checkpointer(str(tmp_path), read_only=True) as c:
     restored, _ = c.restore(other)
   back = jax.tree.map(np.asarray, state_spec.logical_state(other, restored))
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b, strict=True), back, saved)
+  helpers.assert_trees_identical(back, saved)
   nxt = fm.batch(64, seed=5)
   state, m1 = step(state, nxt)
   restored, m2 = other.step_fn()(restored, nxt)

@@ -8,6 +8,7 @@ import copy
 import functools
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,7 +119,7 @@ def test_init_has_the_converters_shapes():
   params = jax.jit(model.init)(jax.random.key(0))
   tensors = H.params_to_hf(params, cfg)
   back = H.params_from_hf(tensors.__getitem__, tensors, cfg)
-  assert jax.tree.map(np.shape, back) == jax.tree.map(np.shape, params)
+  chex.assert_trees_all_equal_shapes(back, params)
   assert float(jax.jit(model.loss)(params, TOKENS)) == pytest.approx(np.log(64), rel=0.05)  # near uniform
 
 
@@ -163,7 +164,7 @@ def test_what_the_converter_cannot_do_is_refused_in_one_line(checkpoint):
                  wrong, names, cfg)
   cfg, _, params = loaded(checkpoint("tied_mqa"))  # a tied checkpoint may keep lm_head.weight: the same matrix
   tensors = H.params_to_hf(params, cfg) | {"lm_head.weight": np.asarray(params["embed"]["wte"])}
-  assert all(jax.tree.leaves(jax.tree.map(np.array_equal, H.params_from_hf(tensors.__getitem__, tensors, cfg), params)))
+  chex.assert_trees_all_equal(H.params_from_hf(tensors.__getitem__, tensors, cfg), params)
   tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1
   one_line_error(r"lm_head.weight differs from model.embed_tokens.weight", H.params_from_hf, tensors.__getitem__,
                  tensors, cfg)

@@ -5,6 +5,7 @@ and compared with single-device jax.grad.
 """
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,8 +161,7 @@ def test_hierarchical_and_flat_plans_train_bitwise_alike(model_and_ref):
   mesh = zerojax.make_mesh(4, 2)
   flat, _ = helpers.sharded_grads(plans.mics(group_size=4, hierarchical=False), mesh, model, params, batch)
   hier, _ = helpers.sharded_grads(plans.mics(group_size=4), mesh, model, params, batch)
-  for a, b in zip(jax.tree.leaves(flat), jax.tree.leaves(hier)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(flat, hier)
 
 
 @pytest.mark.parametrize("kw,bound", helpers.sweep(
@@ -196,8 +196,7 @@ def test_checkpoint_restores_across_group_sizes_bitwise(tmp_path):
     st8, _ = ck.restore(ex8)
   a = jax.tree.map(np.asarray, state_spec.logical_state(ex4, st4))
   b = jax.tree.map(np.asarray, state_spec.logical_state(ex8, st8))
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(x, y)
+  chex.assert_trees_all_equal(a, b)
 
 
 @pytest.mark.parametrize("plan,match", [

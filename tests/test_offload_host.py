@@ -4,8 +4,8 @@ its states never leave host memory, and the settings it cannot run are refused i
 program's moves are in test_offload_gpu.py."""
 from __future__ import annotations
 
+import chex
 import jax
-import numpy as np
 import pytest
 
 import zerojax
@@ -14,11 +14,6 @@ from tests import helpers
 from zerojax.engine.offload import HOST
 
 BOTH = ("opt_state", "master")
-
-
-def same(a, b) -> bool:
-  a, b = jax.device_get(a), jax.device_get(b)
-  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 @pytest.mark.parametrize("plan", ["dp", "zero3", "mics"])
@@ -31,7 +26,7 @@ def test_host_update_trains_bitwise_what_the_device_trains(plan):
   ex, state, _, losses = helpers.run(make(offload=BOTH, offload_update="host"), mesh, helpers.optimizer())
   assert ex.placement.offload.on_host
   assert losses == ref_losses
-  assert same(state, ref)
+  chex.assert_trees_all_equal(state, ref)
   for field in (state.opt_state, state.params):
     assert {x.sharding.memory_kind for x in jax.tree.leaves(field) if x.ndim} == {HOST}
 

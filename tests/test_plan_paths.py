@@ -5,6 +5,7 @@ backward re-gather of qwZ, and a NaN gradient carried through qgZ to the non-fin
 """
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +29,7 @@ def test_pallas_backend_is_bitwise_xla_through_the_executor(setup):
   got_x, mx = helpers.sharded_grads(dataclasses.replace(plan, kernel_backend="xla"), mesh, model, params, batch)
   got_p, mp = helpers.sharded_grads(dataclasses.replace(plan, kernel_backend="pallas"), mesh, model, params, batch)
   assert float(mx.loss) == float(mp.loss)
-  for a, b in zip(jax.tree.leaves(got_x), jax.tree.leaves(got_p)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(got_x, got_p)
 
 
 @pytest.mark.parametrize("field", helpers.sweep(["weight_block", "grad_block"], ["weight_block"]))
@@ -101,6 +101,5 @@ def test_nan_gradient_through_qgz_skips_the_step(grad_bits):
   assert not bool(m.finite) and not np.isfinite(float(m.grad_norm))
   assert int(state.skipped) == 1 and int(state.step) == 1
   after = ex.logical_params(state)
-  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
-    np.testing.assert_array_equal(a, np.asarray(b))
+  chex.assert_trees_all_equal(before, after)
 

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,8 +76,7 @@ def test_prefetch_equals_the_per_layer_path_when_quantized(name):
   assert loss == pytest.approx(want_loss, rel=1e-6)
   if name == "zeropp":
     assert loss == want_loss
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(got, want)
   else:
     assert helpers.rel_l2(got, want) < 1e-3
   assert helpers.rel_l2(got, case(layers)[3]) < 0.5  # int4 qgZ noise (bounded in test_zeropp.py), not garbage
@@ -200,7 +200,7 @@ def test_default_prefetch_never_breaks_a_flax_scan_model(monkeypatch):
   assert list(ex.prefetch_fallbacks()) == [u for u in ex.model.scanned]  # ... and this unit runs per layer
   assert "called one by one" in next(iter(ex.prefetch_fallbacks().values()))
   assert loss == loss_off
-  jax.tree.map(np.testing.assert_array_equal, params, params_off)
+  chex.assert_trees_all_equal(params, params_off)
 
 
 def test_prefetch_must_be_a_bool():
@@ -265,8 +265,7 @@ def test_prefetch_carries_qgz_state_per_layer(name):
   assert len(errors[0]) == (2 * 3 if plan.reduction.grad_error_feedback else 0)  # (e_send, e_node) of each unit
   if plan.gather.secondary_axes:
     assert loss == want_loss
-    for a, b in zip(jax.tree.leaves(got) + errors[0], jax.tree.leaves(want) + errors[1]):
-      np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal((got, errors[0]), (want, errors[1]))
   else:
     assert helpers.rel_l2(got, want) < 1e-3
     assert helpers.rel_l2(errors[0], errors[1]) < 1e-3  # measured 3e-5 (gradients 2e-6)

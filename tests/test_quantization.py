@@ -1,6 +1,7 @@
 """Block-wise quantization: format, error bounds, qgZ fusions, and backend agreement bit for bit."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -256,8 +257,8 @@ def test_pallas_multi_step_grids(monkeypatch):
            Q.dequant_sum(v, s, 4, BLOCK, backend=backend))
     if backend == "xla":
       ref = got
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
-    _assert_same(a, b)
+  chex.assert_trees_all_equal_shapes_and_dtypes(got, ref)
+  chex.assert_trees_all_equal(jax.tree.map(_bits, got), jax.tree.map(_bits, ref), strict=True)
 
 
 def test_pallas_under_jit():

@@ -183,8 +183,7 @@ def test_bitwise_equal_to_dense(sync, dense_mics):
   _, _, state, got = run_radius(PLANS["mics4"][0](sync), zerojax.make_mesh(2, 4), helpers.optimizer("adamw"),
                                 batches, params=init)
   assert [g[4] for g in got] == [d[4] for d in dense]
-  for a, b in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a), b, strict=True)
+  helpers.assert_trees_identical((state.params, state.opt_state), want)
   if sync.period > 1 and sync.dense_steps < 4:
     assert {g[0] for g in got} == {"dense", "select", "sparse"}
 
@@ -334,8 +333,7 @@ def test_resume_mid_window_is_bitwise(saved_mid_window):
   step = ex.step_fn()
   for b in batches[3:]:
     state, _ = step(state, b)
-  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(final)):
-    np.testing.assert_array_equal(np.asarray(a), b, strict=True)
+  helpers.assert_trees_identical(state, final)
 
 
 @pytest.mark.slow  # Radius against its reference algorithm in the fast suite: test_matches_the_reference_algorithm[mics4]

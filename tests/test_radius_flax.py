@@ -154,7 +154,6 @@ def test_density_one_trains_like_the_dense_plan(sparse_run):
   _, full, phases, full_losses = train(zerojax.radius(density=1.0, period=2, dense_steps=1))
   assert phases == PHASES
   assert full_losses == dense_losses
-  for a, b in zip(jax.tree.leaves((full.params, full.opt_state)), jax.tree.leaves((dense.params, dense.opt_state))):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), strict=True)
+  helpers.assert_trees_identical((full.params, full.opt_state), (dense.params, dense.opt_state))
   assert sparse_losses[:3] == dense_losses[:3] and sparse_losses[3:] != dense_losses[3:]
   assert helpers.max_rel_diff(sparse_state.params, dense.params) > 1e-4

@@ -6,6 +6,7 @@ reduce-scatter to fp32 in the compiled program, so the executor moves the raw 16
 """
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,8 +90,7 @@ def test_fp32_gradients_keep_the_reduce_scatter_bitwise(setup):
   a, ma = helpers.sharded_grads(base, mesh, model, params, batch)
   b, mb = helpers.sharded_grads(dataclasses.replace(base, reduce_via="auto"), mesh, model, params, batch)
   assert float(ma.loss) == float(mb.loss)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  chex.assert_trees_all_equal(a, b)
 
 
 def test_reduce_via_refuses_bad_values():

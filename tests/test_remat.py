@@ -2,6 +2,7 @@
 no forward matmul and holds more temporary memory; no mode keeps weights between forward and backward."""
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -81,8 +82,7 @@ def test_saved_residuals_hold_no_weights():
     out, saved = remat.forward(f, mode, p, x)
     got = saved.vjp_with(p)(jnp.ones_like(out))
     want = jax.vjp(f, p, x)[1](jnp.ones_like(out))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      assert jnp.allclose(a, b, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_remat_defaults_and_bad_values():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -97,8 +98,7 @@ def test_components_declare_their_state_consistently(which, request):
     assert rep["measured"][name] == rep["expected"][name] > 0, name
   logical = state_spec.logical_state(ex, state)
   back = state_spec.state_from_logical(ex, logical)
-  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), strict=True)
+  helpers.assert_trees_identical(back, state)
 
 
 @pytest.mark.slow  # three programs compiled
@@ -138,8 +138,7 @@ def test_a_new_stateful_technique_is_one_file_and_its_registration():
       state, _ = ex.step_fn()(state, batch)
       want, _ = ref.step_fn()(want, batch)
     assert phases == ["dense", "toy", "dense", "toy"] and int(state.stateful["toy"]) == 2
-    for a, b in zip(jax.tree.leaves(ex.logical_params(state)), jax.tree.leaves(ref.logical_params(want))):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(ex.logical_params(state), ref.logical_params(want))
     stored = state_spec.logical_state(ex, state)
     assert int(stored["toy"]) == 2  # stored at the top level under its name
     back = state_spec.state_from_logical(ex, stored)
@@ -173,8 +172,7 @@ def test_a_second_in_backward_component_coexists_with_error_feedback(prefetch):
     assert all(np.all(np.asarray(c) == 2 * accum) for c in counts.values()), counts
     errors = jax.tree.leaves(state.stateful["grad_error"])
     assert any(float(np.abs(np.asarray(e)).max()) > 0 for e in errors)
-    for a, b in zip(jax.tree.leaves((state.params, errors)), jax.tree.leaves((want.params, want.stateful["grad_error"]))):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal((state.params, state.stateful["grad_error"]), (want.params, want.stateful["grad_error"]))
     assert memory_report(ex)["expected"]["backward_count"] == 4 * sum(int(np.prod(np.shape(c)[1:])) for c in counts.values())
   finally:
     STATEFUL.remove(BackwardCount)
