@@ -322,8 +322,9 @@ def main(argv=None) -> dict:
   order = [(seed, name) for seed in seeds for name in refs + plans  # seed-major: references first
            if (seed, name) not in reused or (seed, name) == check]
   curves, t_start = {}, time.time()
-  print(f"bench_convergence: {len(order)} runs ({len(seeds)} seeds x {len(refs)} references + {len(plans)} plans), "
-        f"{args.steps} steps each, writing {args.out}", file=sys.stderr, flush=True)
+  print(f"bench_convergence: {len(order)} runs ({len(seeds)} seeds x {len(refs)} references + {len(plans)} plans; "
+        f"{len(reused)} reference runs reused, {int(check is not None)} rerun as a check), {args.steps} steps "
+        f"each, writing {args.out}", file=sys.stderr, flush=True)
   for i, (seed, name) in enumerate(order):
     spec = REFERENCES[name] if name in REFERENCES else PLANS[name][1] + args.plan_param
     print(f"[{i + 1}/{len(order)}] seed {seed} {name} ...", file=sys.stderr, flush=True)
