@@ -190,14 +190,11 @@ def test_bitwise_equal_to_dense(sync, dense_mics):
 
 
 @pytest.mark.slow  # Radius against its reference algorithm in the fast suite: test_matches_the_reference_algorithm[mics4]
-@pytest.mark.parametrize("rank", ["update", "gradient"])
-def test_selection_ranks_the_adamw_corrected_update(rank):
+def test_selection_ranks_the_adamw_corrected_update():
   """Property 6: the indices are the top-k of |m̂/(√v̂+ε) + λw| (Algorithm 2, after the clip) at the select
-  step, which differs from the top-k of the (clipped, averaged) gradient; with rank="gradient" they are the
-  top-k of the gradient (the clip scales it uniformly)."""
+  step, which differs from the top-k of the (clipped, averaged) gradient."""
   opt = helpers.optimizer("adamw")  # clip 1, lr 1e-3, b1 0.9, b2 0.999, eps 1e-6, weight decay 0.1 on matrices
-  plan = PLANS["mics4"][0](dataclasses.replace(RADIUS, rank=rank))
-  ex = zerojax.Executor(helpers.tiny_gpt(), opt, plan, zerojax.make_mesh(2, 4), accum_steps=2)
+  ex = zerojax.Executor(helpers.tiny_gpt(), opt, PLANS["mics4"][0](RADIUS), zerojax.make_mesh(2, 4), accum_steps=2)
   state, step = ex.init(jax.random.key(0)), ex.step_fn()
   logical = lambda tree: jax.tree.map(np.asarray, layout_lib.to_logical(tree, ex.layout))
   moment = lambda st, name: logical(optax.tree_utils.tree_get(st.opt_state, name))
@@ -218,9 +215,8 @@ def test_selection_ranks_the_adamw_corrected_update(rank):
       agree[name] += int((m & top_k_mask(np.asarray(layout_lib.flatten_leaf(jnp.asarray(score), lay)), k, 4,
                                          lay.size)).sum())
     total += int(m.sum())
-  ranked, other = ("corrected", "gradient") if rank == "update" else ("gradient", "corrected")
-  assert agree[ranked] / total > 0.995, agree
-  assert agree[other] / total < 0.9, agree
+  assert agree["corrected"] / total > 0.995, agree
+  assert agree["gradient"] / total < 0.9, agree
 
 
 # -- the wire ----------------------------------------------------------------------------------------
@@ -387,8 +383,7 @@ def test_checkpoints_with_and_without_radius(saved_mid_window, tmp_path):
     ({"density": 0.0}, r"density=0.0 is outside \(0, 1\]"),
     ({"density": 1.5}, r"density=1.5 is outside \(0, 1\]"),
     ({"period": 0}, r"period=0 must be a whole number of steps >= 1"),
-    ({"dense_steps": -1}, r"dense_steps=-1 must be a whole number of steps >= 0"),
-    ({"rank": "grad"}, r"rank='grad'; use 'update' \(the optimizer's update\) or 'gradient'")])
+    ({"dense_steps": -1}, r"dense_steps=-1 must be a whole number of steps >= 0")])
 def test_bad_values_are_one_line_errors(kw, match):
   with pytest.raises(ValueError, match=match) as e:
     plans.radius(**kw)

@@ -23,23 +23,17 @@ class Radius:
   the local gradient to the residual. Every replica selects from the same values, so the indices agree
   with no communication. k = ⌈density · c⌉ for a shard of c elements of a leaf (per layer). The ranking
   is the update's magnitude, so a select step whose learning rate is 0 (a warm-up from 0) ranks only
-  ties and keeps the lowest positions: switch after it (`dense_steps` >= 1). With `rank="gradient"` it
-  is the magnitude of the select step's all-reduced gradient + residual instead (Algorithm 1 line 23's
-  |G^t|, before the clip and the correction): a coordinate that sent nothing for a window arrives with
-  its whole residual and tends to be selected for the next.
+  ties and keeps the lowest positions: switch after it (`dense_steps` >= 1).
 
   Attributes:
     density: fraction of the gradient sent on sparse steps, in (0, 1] (the paper's d; 0.4 by default).
     period: steps per selection window (the paper's T, 200).
     dense_steps: steps trained densely before the first selection (the paper's threshold; it
       switches after 15–20% of training).
-    rank: what the top-k ranks: "update" (the optimizer's update, Radius §4.2) or "gradient" (the
-      all-reduced gradient + residual of the select step).
   """
   density: float = 0.4
   period: int = 200
   dense_steps: int = 0
-  rank: str = "update"
 
   def __post_init__(self):
     if not 0 < self.density <= 1:
@@ -49,21 +43,17 @@ class Radius:
       raise ValueError(f"radius period={self.period} must be a whole number of steps >= 1 (the paper uses 200)")
     if int(self.dense_steps) != self.dense_steps or self.dense_steps < 0:
       raise ValueError(f"radius dense_steps={self.dense_steps} must be a whole number of steps >= 0")
-    if self.rank not in ("update", "gradient"):
-      raise ValueError(f"radius rank={self.rank!r}; use 'update' (the optimizer's update) or 'gradient'")
 
   def label(self) -> Name:
-    """Its part of the plan's label: "radius(d=0.4,T=200)", with ",dense=N" after dense steps and
-    ",rank=gradient" when it ranks the gradient."""
+    """Its part of the plan's label: "radius(d=0.4,T=200)", with ",dense=N" after dense steps."""
     dense = f",dense={self.dense_steps}" if self.dense_steps else ""
-    rank = f",rank={self.rank}" if self.rank != "update" else ""
-    return Name(f"radius(d={self.density:g},T={self.period}{dense}{rank})", "radius")
+    return Name(f"radius(d={self.density:g},T={self.period}{dense})", "radius")
 
   def shard_k(self, chunk: int) -> int:
     """Selected elements of a shard of `chunk` elements: ⌈density · chunk⌉ (at least 1)."""
     return max(1, math.ceil(round(self.density * chunk, 6)))
 
 
-def radius(density: float = 0.4, period: int = 200, dense_steps: int = 0, rank: str = "update") -> Radius:
+def radius(density: float = 0.4, period: int = 200, dense_steps: int = 0) -> Radius:
   """Radius's replica sync (see `Radius`): `mics(replica_sync=radius(density=0.1))`."""
-  return Radius(density=density, period=period, dense_steps=dense_steps, rank=rank)
+  return Radius(density=density, period=period, dense_steps=dense_steps)

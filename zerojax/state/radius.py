@@ -121,8 +121,6 @@ class RadiusSync(SyncsReplicas):
     return (state.residual, state.indices), (specs.residual, specs.indices)
 
   def body_out_specs(self, phase):
-    if phase == "select" and self.radius.rank == "gradient":  # the body selects: the residual and indices
-      return self.specs().residual, self.specs().indices
     return self.specs().residual if phase in self.phases else None
 
   def sync(self, grads, local, denom, phase):
@@ -133,14 +131,9 @@ class RadiusSync(SyncsReplicas):
       leaves, res = comm.radius.dense_all_reduce(leaves, res, self.replicas, denom)
     else:                  # lines 13–17
       leaves, res = comm.radius.sparse_all_reduce(leaves, res, jax.tree.leaves(indices), self.replicas, denom)
-    out = treedef.unflatten([r[None] for r in res])
-    if phase == "select" and self.radius.rank == "gradient":  # line 23 on |G^t|, the all-reduced gradient
-      out = out, self._select(treedef.unflatten(leaves))
-    return treedef.unflatten(leaves), out
+    return treedef.unflatten(leaves), treedef.unflatten([r[None] for r in res])
 
   def update(self, state, out, updates, step, finite, phase):
-    if phase == "select" and self.radius.rank == "gradient":  # selected in the body (`sync`)
-      return keep(finite, RadiusState(*out, step), state)
     if phase == "select":  # the update is -lr x Algorithm 2's corrected gradient: rank its magnitude
       specs = self.specs().indices  # sharded like the master weights
       indices = jax.shard_map(self._select, mesh=self.mesh, in_specs=(specs,), out_specs=specs,
@@ -151,7 +144,7 @@ class RadiusSync(SyncsReplicas):
     return state
 
   def _select(self, updates):
-    """shard_map body, Algorithm 1 line 23: each shard's top-k positions of |update| (or |gradient|)."""
+    """shard_map body, Algorithm 1 line 23: each shard's top-k positions of |update|."""
     leaves, treedef = jax.tree.flatten(updates)
     owner = mesh_lib.owner_index(self.opt_order) if self.opt_order else 0
     return treedef.unflatten([comm.radius.select(u, k, owner * u.shape[-1], lay.size)
