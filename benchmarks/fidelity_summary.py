@@ -16,10 +16,14 @@ GOALS = {"zeropp_int4": 0.5, "mics_radius": 1.5, "diloco_mics": 2.0}
 EXPERIMENTS = [
     ("mics_radius", "radius.dense_steps=60 (dense for 20% of the 300 steps)", "convergence_radius_dense60.json"),
     ("mics_radius", "radius.period=10", "convergence_radius_period10.json"),
-    ("mics_radius", "radius.rank='gradient' (top-k of the all-reduced gradient + residual)",
+    ("mics_radius", "radius.rank='gradient': top-k of the all-reduced gradient + residual (an option at the "
+     "commit of its file, since removed)",
      "convergence_radius_rank_gradient.json"),
     ("diloco_mics", "diloco.lr=1.3 (no momentum)", "convergence_diloco_lr1.3.json"),
     ("zeropp_int4", "zeropp.weight_block=64 (int4 weight blocks of 64 instead of 256)", "convergence_int4_wblock64.json"),
+    ("mics_radius", "radius.period=50", "convergence_radius_period50.json"),
+    ("diloco_mics", "diloco.fragments=4 (Streaming DiLoCo: one layer's fragment synced every 10 steps, staggered)",
+     "convergence_diloco_f4.json"),
 ]
 
 
