@@ -95,13 +95,15 @@ GROUPS = {
     "int4_ablation": ["zeropp", "int4", "int4+ef", "int4+rotate", "int4+sr", "int4+hops", "zeropp_int4"],
 }
 
-# The mesh of train.py's default on CPUs (2 nodes x 4 devices).
+# The mesh of train.py's default on CPUs (2 nodes x 4 devices); the default model's padded parameters.
 NODES, GPUS = 2, 4
+PARAMS = 937_984
 
 
 def wire_bytes(spec: list[str], params: int) -> dict:
   """Per-step bytes one device sends, from a ZeRO-3/ZeRO++ config's formats (ring all-gathers,
-  all-to-alls; each quantized block adds a 4-byte scale): forward gather over all devices (qwZ bits or
+  all-to-alls; each quantized block of `zeropp.weight_block` / `grad_block` elements, 256 by default, adds a
+  4-byte scale; block 0, one scale per shard, counts none): forward gather over all devices (qwZ bits or
   bf16), backward gather (hpZ: bf16 inside the node; else as forward), gradient reduce-scatter (fp32, or
   qgZ's two hops). Returns {"total_MB", "cross_node_MB"} (cross-node: the share of each collective's peers
   on another node, the uniform-peer model of `zerojax.analysis.wire_model`)."""
@@ -112,10 +114,10 @@ def wire_bytes(spec: list[str], params: int) -> dict:
   hpz = gin in ("zeropp.gin", "zeropp_int4.gin", "hpz.gin")
   g = kv.get("zeropp.grad_bits", {"zeropp_int4.gin": "(8, 4)", "zeropp.gin": "4", "qgz.gin": "4"}.get(gin, "None"))
   g_bits = None if g == "None" else (eval(g) if g.startswith("(") else (int(g), int(g)))
-  w, block = NODES * GPUS, 256
-  fmt = lambda bits: 2.0 if bits is None else bits / 8 + 4 / block
+  w, w_block, g_block = NODES * GPUS, int(kv.get("zeropp.weight_block", 256)), int(kv.get("zeropp.grad_block", 256))
+  fmt = lambda bits, block=g_block: 2.0 if bits is None else bits / 8 + (4 / block if block else 0.0)  # 0: a scale per shard
   cross = lambda k_node, k: (k - k_node) / k  # peers on another node
-  fwd = (w - 1) / w * params * fmt(w_bits)
+  fwd = (w - 1) / w * params * fmt(w_bits, w_block)
   fwd_x = fwd * cross(GPUS, w) * w / (w - 1)
   bwd, bwd_x = ((GPUS - 1) / GPUS * params * 2.0, 0.0) if hpz else (fwd, fwd_x)
   if g_bits is None:
@@ -283,7 +285,7 @@ def main(argv=None) -> dict:
                   help="a previous result JSON: reuse its reference runs where spec, steps and settings match")
   ap.add_argument("--check_reference", default=None,
                   help="NAME:SEED of a reused reference to rerun and compare with the stored final eval loss")
-  ap.add_argument("--params", type=int, default=937_984,
+  ap.add_argument("--params", type=int, default=PARAMS,
                   help="padded parameters of the model (the default config's), for the wire bytes")
   args = ap.parse_args(argv)
   plans = list(dict.fromkeys(p for name in args.plans.split(",") if name for p in GROUPS.get(name, [name])))

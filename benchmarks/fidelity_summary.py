@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_convergence import PARAMS, wire_bytes  # noqa: E402
 BASE = "convergence.json"
 # (plan, the change, the result file under benchmarks/); the goal is the plan's mean gap in percent
 GOALS = {"zeropp_int4": 0.5, "mics_radius": 1.5, "diloco_mics": 2.0}
@@ -39,6 +42,8 @@ def entry(plan: str, change: str, name: str) -> dict:
        "gap_pct": r.get("gap_pct"), "mean_gap_pct": r.get("mean_gap_pct"), "min_gap_pct": r.get("min_gap_pct"),
        "max_gap_pct": r.get("max_gap_pct"), "std_gap_pct": r.get("std_gap_pct"), "n": r.get("n"),
        "goal_mean_gap_pct": GOALS.get(plan)}
+  if e["reference"] == "zero3":  # per-step bytes per device from the plan's formats
+    e["wire_bytes"] = wire_bytes(e["spec"], PARAMS)
   if e["mean_gap_pct"] is not None and plan in GOALS:
     e["goal_met"] = e["mean_gap_pct"] <= GOALS[plan]
   if "references_reused" in d:
