@@ -21,7 +21,8 @@ Plans (`--plans`: names or groups, comma-separated; default the group `default`)
   ablation:       ZeRO++'s ablation (ZeRO++ §5.4, Table 5): qwz, hpz, qgz, qwz+hpz, zeropp,
                   zeropp_nonblocked (one scale per shard).
   int4_ablation:  int4 weights and gradients with each fidelity option (docs/fidelity.md): int4, int4+ef,
-                  int4+rotate, int4+sr, int4+hops (zeropp_int4 with weight blocks of 256), pairs and triples with +hops.
+                  int4+rotate, int4+sr, int4+hops (zeropp_int4 with weight blocks of 256), pairs and
+                  triples with +hops.
 The ZeRO-3-referenced plans also get their per-step wire bytes per device from their formats (`wire_bytes`).
 `--plan_param NAME=VALUE` is added to the plans' runs only (not the references'), to measure a change of
 a plan against the same references.
