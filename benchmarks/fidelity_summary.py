@@ -28,6 +28,7 @@ EXPERIMENTS = [
     ("diloco_mics", "diloco.fragments=4 (Streaming DiLoCo: one layer's fragment synced every 10 steps, staggered)",
      "convergence_diloco_f4.json"),
     ("diloco_mics", "diloco.lr=0.8 (no momentum)", "convergence_diloco_lr0.8.json"),
+    ("diloco_mics", "diloco.lr=0.6 (no momentum)", "convergence_diloco_lr0.6.json"),
 ]
 
 
