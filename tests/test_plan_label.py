@@ -18,7 +18,7 @@ CONFIGS = {  # every config in configs/ (base.gin aside) and its label, as gin b
     "zeropp_int4": "zero3+qwZ(int4,block=64)+hpZ(gpu)+qgZ(int8/int4)", "mics": "mics(group=gpu)",
     "mics_qwz": "mics(group=gpu)+qwZ(int8)", "mics_radius": "mics(group=gpu)+radius(d=0.4,T=20,dense=40)",
     "mics_2node": "mics(group=8)+hier", "mics_hpz": "mics(group=8)+hier+hpZ(gpu)",
-    "mics_qgz": "mics(group=8)+hier+qgZ(int8)", "diloco_mics": "mics(group=gpu)+diloco(H=10,lr=1.0,m=0.0)"}
+    "mics_qgz": "mics(group=8)+hier+qgZ(int8)", "diloco_mics": "mics(group=gpu)+diloco(H=10,lr=0.6,m=0.0)"}
 
 
 @pytest.fixture(scope="module")
