@@ -21,11 +21,21 @@ Plans (`--plans`: names or groups, comma-separated; default the group `default`)
   ablation:       ZeRO++'s ablation (ZeRO++ §5.4, Table 5): qwz, hpz, qgz, qwz+hpz, zeropp,
                   zeropp_nonblocked (one scale per shard).
   int4_ablation:  int4 weights and gradients with each fidelity option (docs/fidelity.md): int4, int4+ef,
-                  int4+rotate, int4+sr, int4+hops (= zeropp_int4), pairs and triples with +hops.
+                  int4+rotate, int4+sr, int4+hops (zeropp_int4 with weight blocks of 256), pairs and
+                  triples with +hops.
 The ZeRO-3-referenced plans also get their per-step wire bytes per device from their formats (`wire_bytes`).
+`--plan_param NAME=VALUE` is added to the plans' runs only (not the references'), to measure a change of
+a plan against the same references.
+
+The dense references are deterministic per seed on one machine, so `--references_from PREVIOUS.json` takes
+their runs from a previous result file when their spec, steps, evaluation settings and extra gin params
+match (each reused row says from which file and commit; `references_reused` lists them, and what was not
+reused and why); the others run. `--check_reference NAME:SEED` reruns one reused reference and records its
+final eval loss beside the stored one (`reference_check`; a mismatch is recorded, the benchmark goes on).
 
   python benchmarks/bench_convergence.py [--seeds 3] [--steps 300] [--plans default|ablation|int4_ablation|a,b]
-      [--out benchmarks/convergence.json] [--png PNG] [--gin_param NAME=VALUE ...]
+      [--out benchmarks/convergence.json] [--png PNG] [--gin_param NAME=VALUE ...] [--plan_param NAME=VALUE ...]
+      [--references_from PREVIOUS.json [--check_reference NAME:SEED]]
 """
 from __future__ import annotations
 
@@ -86,13 +96,15 @@ GROUPS = {
     "int4_ablation": ["zeropp", "int4", "int4+ef", "int4+rotate", "int4+sr", "int4+hops", "zeropp_int4"],
 }
 
-# The mesh of train.py's default on CPUs (2 nodes x 4 devices).
+# The mesh of train.py's default on CPUs (2 nodes x 4 devices); the default model's padded parameters.
 NODES, GPUS = 2, 4
+PARAMS = 937_984
 
 
 def wire_bytes(spec: list[str], params: int) -> dict:
   """Per-step bytes one device sends, from a ZeRO-3/ZeRO++ config's formats (ring all-gathers,
-  all-to-alls; each quantized block adds a 4-byte scale): forward gather over all devices (qwZ bits or
+  all-to-alls; each quantized block of `zeropp.weight_block` / `grad_block` elements, 256 by default, adds a
+  4-byte scale; block 0, one scale per shard, counts none): forward gather over all devices (qwZ bits or
   bf16), backward gather (hpZ: bf16 inside the node; else as forward), gradient reduce-scatter (fp32, or
   qgZ's two hops). Returns {"total_MB", "cross_node_MB"} (cross-node: the share of each collective's peers
   on another node, the uniform-peer model of `zerojax.analysis.wire_model`)."""
@@ -103,10 +115,10 @@ def wire_bytes(spec: list[str], params: int) -> dict:
   hpz = gin in ("zeropp.gin", "zeropp_int4.gin", "hpz.gin")
   g = kv.get("zeropp.grad_bits", {"zeropp_int4.gin": "(8, 4)", "zeropp.gin": "4", "qgz.gin": "4"}.get(gin, "None"))
   g_bits = None if g == "None" else (eval(g) if g.startswith("(") else (int(g), int(g)))
-  w, block = NODES * GPUS, 256
-  fmt = lambda bits: 2.0 if bits is None else bits / 8 + 4 / block
+  w, w_block, g_block = NODES * GPUS, int(kv.get("zeropp.weight_block", 256)), int(kv.get("zeropp.grad_block", 256))
+  fmt = lambda bits, block=g_block: 2.0 if bits is None else bits / 8 + (4 / block if block else 0.0)  # 0: a scale per shard
   cross = lambda k_node, k: (k - k_node) / k  # peers on another node
-  fwd = (w - 1) / w * params * fmt(w_bits)
+  fwd = (w - 1) / w * params * fmt(w_bits, w_block)
   fwd_x = fwd * cross(GPUS, w) * w / (w - 1)
   bwd, bwd_x = ((GPUS - 1) / GPUS * params * 2.0, 0.0) if hpz else (fwd, fwd_x)
   if g_bits is None:
@@ -211,6 +223,31 @@ def summarize(out: dict, params: int) -> dict:
   return {"references_summary": refs, "results": results}
 
 
+def reuse_references(path: str, refs: list[str], seeds: list[int], args) -> tuple[list[dict], dict, dict]:
+  """From a previous result file: the rows of `refs`' runs at `seeds` whose spec, steps, evaluation
+  settings and extra gin params match this benchmark's (each with `reused_from`: file and commit), a
+  record of what was and was not reused, and the previous file's corpus, mesh and batch."""
+  with open(path) as f:
+    prev = json.load(f)
+  origin = {"file": os.path.relpath(path, ROOT), "git_commit": prev.get("git_commit")}
+  ps = prev.get("settings", {})
+  mismatch = [k for k, a, b in [("steps", prev.get("steps"), args.steps),
+                                ("eval_every", ps.get("eval_every"), args.eval_every),
+                                ("eval_batches", ps.get("eval_batches"), args.eval_batches),
+                                ("extra_gin_params", ps.get("extra_gin_params"), args.gin_param)] if a != b]
+  rows, record = [], {**origin, "reused": {}, "not_reused": {}}
+  for name in refs:
+    spec = prev.get("references", {}).get(name, {}).get("spec")
+    if mismatch or spec != REFERENCES[name]:
+      record["not_reused"][name] = f"differs in {mismatch or ['spec']}"
+      continue
+    got = [r for r in prev["runs"] if r["name"] == name and r["seed"] in seeds and "error" not in r]
+    rows += [{**r, "reused_from": r.get("reused_from", origin)} for r in got]
+    record["reused"][name] = [r["seed"] for r in got]
+  info = {k: prev.get(k) for k in ("corpus", "mesh", "nodes", "batch", "vocab_size")}
+  return rows, record, info
+
+
 def write(out: dict, path: str) -> None:
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
@@ -244,7 +281,12 @@ def main(argv=None) -> dict:
   ap.add_argument("--eval_batches", type=int, default=16, help="held-out batches of each evaluation")
   ap.add_argument("--timeout", type=int, default=3 * 3600, help="seconds before a run counts as failed (0: none)")
   ap.add_argument("--gin_param", action="append", default=[], help="added to every run (references too)")
-  ap.add_argument("--params", type=int, default=937_984,
+  ap.add_argument("--plan_param", action="append", default=[], help="added to the plans' runs only")
+  ap.add_argument("--references_from", default=None,
+                  help="a previous result JSON: reuse its reference runs where spec, steps and settings match")
+  ap.add_argument("--check_reference", default=None,
+                  help="NAME:SEED of a reused reference to rerun and compare with the stored final eval loss")
+  ap.add_argument("--params", type=int, default=PARAMS,
                   help="padded parameters of the model (the default config's), for the wire bytes")
   args = ap.parse_args(argv)
   plans = list(dict.fromkeys(p for name in args.plans.split(",") if name for p in GROUPS.get(name, [name])))
@@ -265,17 +307,43 @@ def main(argv=None) -> dict:
                       "checkpoint_every": 0, "extra_gin_params": args.gin_param,
                       "gap": "100 * (plan's final eval loss / its reference's at the same seed - 1)"},
          "references": {r: {"spec": REFERENCES[r]} for r in refs},
-         "plans": {p: {"reference": PLANS[p][0], "spec": PLANS[p][1]} for p in plans},
+         "plans": {p: {"reference": PLANS[p][0], "spec": PLANS[p][1] + args.plan_param} for p in plans},
          "corpus": None, "batch": None, "mesh": None, "runs": []}
-  order = [(seed, name) for seed in seeds for name in refs + plans]  # seed-major: references first
+  if args.references_from:
+    rows, out["references_reused"], info = reuse_references(args.references_from, refs, seeds, args)
+    out["runs"] += rows
+    if rows:
+      out.update(info)
+  reused = {(r["seed"], r["name"]) for r in out["runs"]}
+  check = None
+  if args.check_reference:
+    name, seed = args.check_reference.split(":")
+    check = (int(seed), name)
+    if check not in reused:
+      out["reference_check"] = {"name": name, "seed": int(seed), "error": "not a reused reference run"}
+      check = None
+  order = [(seed, name) for seed in seeds for name in refs + plans  # seed-major: references first
+           if (seed, name) not in reused or (seed, name) == check]
   curves, t_start = {}, time.time()
-  print(f"bench_convergence: {len(order)} runs ({len(seeds)} seeds x {len(refs)} references + {len(plans)} plans), "
-        f"{args.steps} steps each, writing {args.out}", file=sys.stderr, flush=True)
+  print(f"bench_convergence: {len(order)} runs ({len(seeds)} seeds x {len(refs)} references + {len(plans)} plans; "
+        f"{len(reused)} reference runs reused, {int(check is not None)} rerun as a check), {args.steps} steps "
+        f"each, writing {args.out}", file=sys.stderr, flush=True)
   for i, (seed, name) in enumerate(order):
-    spec = REFERENCES[name] if name in REFERENCES else PLANS[name][1]
+    spec = REFERENCES[name] if name in REFERENCES else PLANS[name][1] + args.plan_param
     print(f"[{i + 1}/{len(order)}] seed {seed} {name} ...", file=sys.stderr, flush=True)
     row = run(spec, seed, args)
     curve, info = row.pop("_curve", None), row.pop("_run", None)
+    if (seed, name) == check:  # a reused reference rerun: recorded beside the stored row, which stays
+      stored = next(r for r in out["runs"] if (r["seed"], r["name"]) == check)
+      rerun = row.get("final_eval_loss")
+      out["reference_check"] = {"name": name, "seed": seed, "stored_final_eval_loss": stored["final_eval_loss"],
+                                "stored_from": stored["reused_from"], "rerun_final_eval_loss": rerun,
+                                "rerun_error": row.get("error"), "rerun_git_commit": commit,
+                                "identical": rerun == stored["final_eval_loss"],
+                                "abs_diff": None if rerun is None else abs(rerun - stored["final_eval_loss"])}
+      write(out, args.out)
+      print(f"[{i + 1}/{len(order)}] check of seed {seed} {name}: {out['reference_check']}", file=sys.stderr, flush=True)
+      continue
     if info and out["corpus"] is None:
       out["corpus"] = info.pop("corpus")
       out["mesh"], out["nodes"] = info.pop("mesh"), info.pop("nodes")

@@ -15,10 +15,10 @@ CONFIGS = {  # every config in configs/ (base.gin aside) and its label, as gin b
     "auto": "auto", "dp": "dp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
     "zero3_bf16grad": "zero3+grads(bfloat16)", "qwz": "zero3+qwZ(int8)", "hpz": "zero3+hpZ(gpu)",
     "qgz": "zero3+qgZ(int4)", "zeropp": "zero3+qwZ(int8)+hpZ(gpu)+qgZ(int4)",
-    "zeropp_int4": "zero3+qwZ(int4)+hpZ(gpu)+qgZ(int8/int4)", "mics": "mics(group=gpu)",
+    "zeropp_int4": "zero3+qwZ(int4,block=64)+hpZ(gpu)+qgZ(int8/int4)", "mics": "mics(group=gpu)",
     "mics_qwz": "mics(group=gpu)+qwZ(int8)", "mics_radius": "mics(group=gpu)+radius(d=0.4,T=20,dense=40)",
     "mics_2node": "mics(group=8)+hier", "mics_hpz": "mics(group=8)+hier+hpZ(gpu)",
-    "mics_qgz": "mics(group=8)+hier+qgZ(int8)", "diloco_mics": "mics(group=gpu)+diloco(H=10,lr=1.0,m=0.0)"}
+    "mics_qgz": "mics(group=8)+hier+qgZ(int8)", "diloco_mics": "mics(group=gpu)+diloco(H=10,lr=0.6,m=0.0)"}
 
 
 @pytest.fixture(scope="module")
