@@ -270,6 +270,9 @@ def main(argv=None) -> int:
   parser.add_argument("--no_progress", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
   signal.signal(signal.SIGTERM, _interrupt)
+  # Ctrl-C stops it even where it started with SIGINT ignored (a `cmd &` of a script, a parent that ignores
+  # it): Python then installs no handler of its own
+  signal.signal(signal.SIGINT, signal.default_int_handler)
   start = time.perf_counter()
   try:
     sidecar = tokenize_files(args.tokenizer, args.input, args.output, workers=args.workers,
