@@ -14,6 +14,7 @@ from zerojax.analysis.schedule import Scheduled
 from zerojax.executor import aot
 from zerojax.models.gpt import GPTConfig, gpt
 from zerojax.planner import remat as remat_choice
+from zerojax.planner.links import NCCL_RING_SIMPLE_US
 
 CFG = GPTConfig(seq_len=32, d_model=64, num_heads=4, num_layers=2)
 BATCH = (1, 8, CFG.seq_len + 1)
@@ -96,7 +97,7 @@ def test_an_exposed_collective_is_priced_by_the_alpha_beta_model():
                  axes=("node",), computation="body", bytes_per_device=2.5e5, cross_node_bytes_per_device=2.5e5,
                  count=7, node_egress_bytes=1e6)
   s = Scheduled(c, is_async=True, in_layer_loop=True, loops=1, matmuls=0, kernels=0)
-  lat = remat_choice.NCCL_RING_SIMPLE_US
+  lat = NCCL_RING_SIMPLE_US
   alpha = (lat["base"] + 2 * lat["inter"]) * 1e-6
   assert remat_choice.exposed_seconds(s, mesh, (450e9, 400e9)) == pytest.approx(7 * (alpha + 1e6 / 400e9))
 

@@ -19,6 +19,7 @@ References:
 """
 from __future__ import annotations
 
+import abc
 from typing import Any, NamedTuple
 
 import jax
@@ -37,7 +38,7 @@ class Updated(NamedTuple):
   updates: Any     # the optimizer's updates, where the strategy computes them whole ("device", "bulk"), or None
 
 
-class Update:
+class Update(abc.ABC):
   """A strategy: the update of one step (see the module docstring).
 
   Args:
@@ -58,8 +59,9 @@ class Update:
     """`grads` in the reduction's dtype (a no-op where the step reduced them in it)."""
     return jax.tree.map(lambda g: g.astype(self.reduce_dtype), grads)
 
+  @abc.abstractmethod
   def __call__(self, host: TrainState, state: TrainState, grads, finite) -> Updated:
-    raise NotImplementedError
+    """The step's update (see the module docstring)."""
 
   def store(self, new: TrainState) -> TrainState:
     """The step's new state with each field where it lives."""

@@ -12,7 +12,7 @@ recompute plus each layer's input over the host link each way; taken only where 
     within the device's memory;
   * its matmul FLOPs (`analysis.flops.matmul_flops`: a recomputed forward adds its matmuls);
   * its exposed collectives: those of the layer loops with no matmul scheduled between start and done
-    (`analysis.schedule`), each priced by AMSP's α-β model over the node's links (`exposed_seconds`).
+    (`analysis.schedule`), each priced by the planner's α-β model over the node's links (`exposed_seconds`).
     Recompute gives the scheduler matmuls to hide a collective behind: MiCS's in-backward replica
     all-reduce, on the slow cross-node link, has none beside it under "none" and the recomputed forward
     under "full" (docs/gpu.md).
@@ -53,7 +53,7 @@ from zerojax.executor import aot
 from zerojax.executor import Executor
 from zerojax.engine.model import Model
 from zerojax.plan import Plan
-from zerojax.planner.links import NCCL_RING_SIMPLE_US
+from zerojax.planner.links import group_fit
 
 ORDER = ("none", "dots", "full", "offloaded")  # least recompute (and host traffic) first
 PRICED = ORDER[:3]  # compared by speed; "offloaded" only where none of them fits
@@ -136,18 +136,14 @@ def measure_compiled(ex: Executor, batch_shape: tuple) -> dict:
 
 
 def exposed_seconds(s: Scheduled, mesh: Mesh, links: tuple[float, float]) -> float:
-  """A collective's time over all its executions by AMSP's α-β model (`planner.links`): NCCL's ring
-  latency for its steps within and between nodes, and the larger of its bytes over a device's in-node
-  link and its node's egress over the node's network."""
-  c, (b_gpu, b_node) = s.collective, links
-  k = len(c.replica_groups[0]) if c.replica_groups else 1
-  nodes = mesh.shape.get("node", 1) if "node" in c.axes else 1
-  steps, inter = k - 1, nodes - 1
-  if c.op == "all-reduce":
-    steps, inter = 2 * steps, 2 * inter
-  lat = NCCL_RING_SIMPLE_US
-  alpha = (lat["base"] + (steps - inter) * lat["intra"] + inter * lat["inter"]) * 1e-6
-  gpus = mesh.shape.get("gpu", 1)
-  egress = c.node_egress_bytes or c.cross_node_bytes_per_device * gpus
-  beta = max((c.bytes_per_device - c.cross_node_bytes_per_device) / b_gpu, egress / b_node)
-  return c.count * (alpha + beta)
+  """A collective's time over all its executions by the planner's α-β model of a group over the node's
+  links (`planner.links.group_fit`: NCCL's ring latency, the slower of the in-node and the node's links),
+  for the full buffer its ring sends `bytes_per_device` of."""
+  c = s.collective
+  group = sorted(c.replica_groups[0]) if c.replica_groups else []
+  k = len(group)
+  if k < 2:
+    return 0.0
+  fit = group_fit(c.op.replace("-", "_"), k, group[1] - group[0], mesh.shape.get("gpu", 1), *links)
+  buffer = c.bytes_per_device * k / (k - 1) / (2 if c.op == "all-reduce" else 1)
+  return c.count * (fit["alpha"] + fit["beta"] * buffer)
