@@ -32,7 +32,7 @@ jax/XLA version and with the CPU (the same jax on one machine gives other last b
 `--xla_cpu_max_isa=SSE4_2` than with AVX2; values recorded on one 2-core machine differed in the last bits of
 the first gradient norm on another, for every config). So the comparison is bitwise where the suite runs
 in the environment the values were recorded in (`env`: jax, jaxlib, the CPU model and its vector
-instruction sets), and elsewhere it says so and compares what does not depend on the CPU exactly (the
+instruction sets, and LLVM's optimization level where `XLA_FLAGS` sets it, as the fast suite does), and elsewhere it says so and compares what does not depend on the CPU exactly (the
 plan, the programs run, their collectives, finiteness) and the losses and gradient norms within
 `MACHINES`. Re-record where the suite runs.
 
@@ -111,8 +111,11 @@ def environment() -> dict:
   isa = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
          if f in flags]
   model = info.get("model name", "")
-  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "machine": platform.machine(),
-          "cpu": model or platform.processor(), "cpu_isa": isa}
+  env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "machine": platform.machine(),
+         "cpu": model or platform.processor(), "cpu_isa": isa}
+  # LLVM's level changes the bits (the fast suite lowers it, tests/conftest.py); named only when set
+  level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
+  return {**env, "xla_backend_optimization_level": level[-1].split("=")[1]} if level else env
 
 
 def run(config: str, prefetch: bool = False) -> dict:
