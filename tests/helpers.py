@@ -61,9 +61,12 @@ def assert_trees_identical(*trees):
 
 
 def max_rel_diff(a, b):
-  """Largest |a - b| / max|b| over the leaves of two pytrees."""
-  return max(jax.tree.leaves(jax.tree.map(
-      lambda x, y: float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-12)), a, b)))
+  """Largest |a - b| / max|b| over the leaves of two pytrees (in numpy, in float32: no program to compile
+  per leaf shape)."""
+  def rel(x, y):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    return float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-12))
+  return max(jax.tree.leaves(jax.tree.map(rel, a, b)))
 
 
 def capture_grads() -> optax.GradientTransformation:
@@ -87,8 +90,9 @@ def reference_grads(model, params, batch):
 
 def rel_l2(a, b):
   """||a - b|| / ||b|| over all leaves of two pytrees: the whole gradient's relative error."""
-  num = sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  den = sum(float(jnp.sum(y ** 2)) for y in jax.tree.leaves(b))
+  a, b = ([np.asarray(x, np.float64) for x in jax.tree.leaves(t)] for t in (a, b))  # numpy: nothing to compile
+  num = sum(float(np.sum((x - y) ** 2)) for x, y in zip(a, b))
+  den = sum(float(np.sum(y ** 2)) for y in b)
   return (num / den) ** 0.5
 
 

@@ -29,6 +29,11 @@ def _assert_same(a, b):
 
 def _data(n, dtype=jnp.float32, seed=0, specials=True):
   """Gaussian data with outliers; block 1 all-zero, block 2 holds a NaN, block 3 an Inf."""
+  return _data_program(n, dtype, seed, specials)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))  # one program, not one per op
+def _data_program(n, dtype, seed, specials):
   k1, k2 = jax.random.split(jax.random.key(seed))
   x = jax.random.normal(k1, (n,), jnp.float32)
   x = x * jnp.where(jax.random.uniform(k2, (n,)) < 0.01, 50.0, 1.0)
@@ -50,19 +55,24 @@ def _mesh():
 @pytest.mark.parametrize("n", [16 * BLOCK, 16 * BLOCK - 37])
 def test_quantize_dequantize_pallas_equals_xla(bits, dtype, n):
   x = _data(n, dtype)
-  v, s = Q.quantize(x, bits, BLOCK, backend="xla")
-  vp, sp = Q.quantize(x, bits, BLOCK, backend="pallas")
+
+  @functools.partial(jax.jit, static_argnames="backend")  # one program per backend, not one per op
+  def ops(x, backend):
+    v, s = Q.quantize(x, bits, BLOCK, backend=backend)
+    w, t = Q.quantize(x, bits, BLOCK, backend="xla")  # both dequantize the same codes
+    return v, s, [Q.dequantize(w, t, bits, BLOCK, dtype=d, size=n, backend=backend) for d in (jnp.float32, dtype)]
+
+  v, s, ys = ops(x, "xla")
+  vp, sp, yps = ops(x, "pallas")
   _assert_same(vp, v)
   _assert_same(sp, s)
   n_pad = 16 * BLOCK
   assert v.shape == (n_pad if bits == 8 else n_pad // 2,) and s.shape == (16,)
   assert v.dtype == (jnp.int8 if bits == 8 else jnp.uint8) and s.dtype == jnp.float32
-  for out_dtype in (jnp.float32, dtype):
-    y = Q.dequantize(v, s, bits, BLOCK, dtype=out_dtype, size=n, backend="xla")
-    yp = Q.dequantize(v, s, bits, BLOCK, dtype=out_dtype, size=n, backend="pallas")
+  for out_dtype, y, yp in zip((jnp.float32, dtype), ys, yps):
     _assert_same(yp, y)
     assert y.shape == (n,) and y.dtype == out_dtype
-  y = np.asarray(Q.dequantize(v, s, bits, BLOCK, backend="xla").reshape(16, BLOCK))
+  y = np.asarray(jax.jit(lambda v, s: Q.dequantize(v, s, bits, BLOCK))(v, s)).reshape(16, BLOCK)
   assert s[1] == 0 and np.all(_bits(y[1]) == 0)  # all-zero block: exact +0
   assert not np.isfinite(y[2]).any() and not np.isfinite(y[3]).any()  # NaN / Inf blocks
   assert np.isfinite(y[[0] + list(range(4, 16))]).all()
@@ -75,7 +85,8 @@ def test_rotated_ops_pallas_equal_xla(bits, block):
   tiles (`hadamard.fwht_tile`), xla its lanes (`fwht_rows`); the same butterflies, so the same bits, for
   quantize, reorder_quantize, dequantize and dequant_sum, bf16 in and out, NaN/Inf/zero blocks included."""
   x = _data(N * G * 4 * block, jnp.bfloat16)
-  for a, b in zip(_rotated_ops(x, bits, block, "xla"), _rotated_ops(x, bits, block, "pallas")):
+  ops = lambda backend: jax.jit(functools.partial(_rotated_ops, bits=bits, block=block, backend=backend))(x)
+  for a, b in zip(ops("xla"), ops("pallas")):
     _assert_same(b, a)
 
 
@@ -152,9 +163,9 @@ def test_triton_on_cpu_raises_clear_error():
 @pytest.mark.parametrize("bits", [8, 4])
 def test_error_at_most_half_a_step(bits):
   x = _data(64 * BLOCK, specials=False, seed=1)
-  v, s = Q.quantize(x, bits, BLOCK)
-  err = jnp.abs(Q.dequantize(v, s, bits, BLOCK) - x).reshape(-1, BLOCK)
-  assert bool(jnp.all(err <= s[:, None] / 2 * (1 + 2.0 ** -20)))
+  v, s, y = jax.jit(lambda x: (lambda v, s: (v, s, Q.dequantize(v, s, bits, BLOCK)))(*Q.quantize(x, bits, BLOCK)))(x)
+  err = np.abs(np.asarray(y) - np.asarray(x)).reshape(-1, BLOCK)
+  assert np.all(err <= np.asarray(s)[:, None] / 2 * (1 + 2.0 ** -20))
   # Scales: absmax * fp32(1 / qmax) rounded up to 16 significant bits (so code * scale is exact).
   exact = np.max(np.abs(np.asarray(x, np.float64)).reshape(-1, BLOCK), axis=1) / Q.qmax_of(bits)
   assert np.all(_bits(s) & 0xFF == 0)

@@ -56,9 +56,12 @@ def reference_radius(model, opt, params, batches, *, layout, replicas, shards, r
   """
   lays = layout.leaves
   treedef = jax.tree.structure(params)
-  to_flat = lambda tree: [np.asarray(layout_lib.flatten_leaf(x, l)) for x, l in zip(jax.tree.leaves(tree), lays)]
-  to_tree = lambda flats: treedef.unflatten([layout_lib.unflatten_leaf(jnp.asarray(f), l) for f, l in zip(flats, lays)])
+  # each a whole-tree program (eager per-leaf ops would compile each op of each leaf's shape)
+  flat = jax.jit(lambda tree: [layout_lib.flatten_leaf(x, l) for x, l in zip(jax.tree.leaves(tree), lays)])
+  to_flat = lambda tree: [np.asarray(x) for x in flat(tree)]
+  to_tree = jax.jit(lambda flats: treedef.unflatten([layout_lib.unflatten_leaf(f, l) for f, l in zip(flats, lays)]))
   grad = jax.jit(jax.grad(lambda p, b: jnp.mean(jax.vmap(lambda t: model.loss(p, t))(b))))
+  update = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), u, s))(*opt.update(g, s, p)))
   state, out = opt.init(params), []
   residual = [[np.zeros(l.flat_shape(), np.float32) for l in lays] for _ in range(replicas)]
   masks, selected_at = None, -1
@@ -77,8 +80,7 @@ def reference_radius(model, opt, params, batches, *, layout, replicas, shards, r
       phase = "sparse"
       agg = [sum(local[n][i] for n in range(replicas)) * masks[i] for i in leaves]
       residual = [[r + np.where(m, 0, g) for r, g, m in zip(rs, gs, masks)] for rs, gs in zip(residual, local)]
-    updates, state = opt.update(to_tree(agg), state, params)    # lines 20–21: clip, correction
-    params = optax.apply_updates(params, updates)
+    params, updates, state = update(to_tree(agg), state, params)  # lines 20–21: clip, correction
     if phase == "select":                                        # lines 22–23: new indices
       masks = [top_k_mask(u, radius.shard_k(l.padded // shards), shards, l.size)
                for u, l in zip(to_flat(updates), lays)]
@@ -90,9 +92,19 @@ def reference_radius(model, opt, params, batches, *, layout, replicas, shards, r
 # -- the executor ----------------------------------------------------------------------------------
 
 def executor_masks(ex, state) -> list[np.ndarray]:
-  shards = math.prod(ex.mesh.shape[a] for a in ex.plan.sharding.opt_order)
-  return [np.asarray(comm.radius.indices_to_mask(jnp.asarray(np.asarray(i)), l.padded // shards, shards))
-          for i, l in zip(jax.tree.leaves(state.stateful["radius"].indices), ex.layout.leaves)]
+  return [np.asarray(m) for m in _masks_of(ex)([np.asarray(i) for i in jax.tree.leaves(state.stateful["radius"].indices)])]
+
+
+_cache = {}
+
+
+def _masks_of(ex):
+  """One program per executor: the per-leaf indices as masks over the flat leaves."""
+  if ex not in _cache:
+    shards = math.prod(ex.mesh.shape[a] for a in ex.plan.sharding.opt_order)
+    _cache[ex] = jax.jit(lambda idx: [comm.radius.indices_to_mask(i, l.padded // shards, shards)
+                                      for i, l in zip(idx, ex.layout.leaves)])
+  return _cache[ex]
 
 
 def run_radius(plan, mesh, opt, batches, accum=2, params=None):

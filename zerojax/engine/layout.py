@@ -11,6 +11,7 @@ is zero, so it never reaches the optimizer's statistics or the loss.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -148,13 +149,26 @@ def to_flat(params: dict, layout: Layout, mesh: Mesh, axes: tuple[str, ...], dty
       shape = flat.shape[:-1] + (lay.padded,)
       return jax.make_array_from_callback(shape, sharding, chunk)
     return jax.tree.map(host_leaf, params, layout.tree(), shardings, is_leaf=is_layout)
-  fn = lambda p: jax.tree.map(lambda x, l: flatten_leaf(x.astype(dtype), l), p, layout.tree())
-  return jax.jit(fn, out_shardings=shardings)(params)
+  return _flattener(layout, mesh, axes, np.dtype(dtype))(params)
 
 
 def to_logical(flat: dict, layout: Layout) -> dict:
   """Flat padded params -> logical params (a plain pytree of the model's shapes), e.g. for export."""
-  return jax.jit(lambda f: jax.tree.map(unflatten_leaf, f, layout.tree()))(flat)
+  return _unflattener(layout)(flat)
+
+
+# One jitted function per layout (and placement): a call with the same shapes reuses its compiled program
+# instead of tracing and compiling a new one (evaluation and export call these again and again).
+@functools.lru_cache(maxsize=64)
+def _flattener(layout: Layout, mesh: Mesh, axes: tuple[str, ...], dtype: np.dtype):
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(layout, axes))
+  return jax.jit(lambda p: jax.tree.map(lambda x, l: flatten_leaf(x.astype(dtype), l), p, layout.tree()),
+                 out_shardings=shardings)
+
+
+@functools.lru_cache(maxsize=64)
+def _unflattener(layout: Layout):
+  return jax.jit(lambda f: jax.tree.map(unflatten_leaf, f, layout.tree()))
 
 
 def bytes_of(layout: Layout, dtype) -> int:
