@@ -8,6 +8,8 @@ marks them `slow` at collection. A test listed here that no longer exists fails 
 (`tests/test_fast_suite.py`).
 """
 MOVED = frozenset({
+    "tests/test_size_one_axes.py::test_one_device_keeps_16bit_gradients[zero3]",
+    "tests/test_offload_stream.py::test_streamed_layers_of_any_count_train_bitwise_what_the_device_trains[1]",
     "tests/test_stateful.py::test_a_second_in_backward_component_coexists_with_error_feedback[False]",
     "tests/test_diloco.py::test_an_optax_outer_optimizers_state_is_stored_logically_and_counted",
     "tests/test_diloco.py::test_replicas_and_outer_update_match_plain_jax[outer4-4]",

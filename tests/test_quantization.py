@@ -10,10 +10,34 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from zerojax import gpu_aot
-from zerojax.quant import kernel_choice, quantization as Q
+from zerojax.quant import kernel_choice, quantization
 
 BLOCK = 64
 N, G = 2, 4
+KERNELS = ("quantize", "dequantize", "reorder_quantize", "dequant_sum", "dequant_sum_quantize")
+
+
+@functools.cache
+def _jitted(name: str, static_argnums: tuple, static_argnames: tuple):
+  return jax.jit(getattr(quantization, name), static_argnums=static_argnums, static_argnames=static_argnames)
+
+
+class _Kernels:
+  """`zerojax.quant.quantization` with each kernel jitted, its non-array arguments static: called eagerly,
+  every jnp operation of the xla form and of Pallas's interpreter compiles a program of its own
+  (docs/testing.md, "Keeping the fast suite fast"). Errors raised while tracing reach the caller as they are."""
+
+  def __getattr__(self, name):
+    if name not in KERNELS:
+      return getattr(quantization, name)
+
+    def call(*args, **kw):
+      static = tuple(i for i, a in enumerate(args) if not isinstance(a, (jax.Array, np.ndarray)))
+      return _jitted(name, static, tuple(sorted(kw)))(*args, **kw)
+    return call
+
+
+Q = _Kernels()
 
 
 def _bits(a):
@@ -143,12 +167,13 @@ def test_bad_arguments():
 
 
 def test_default_backend_env(monkeypatch):
+  # eager calls: the default backend is read while tracing, and `Q`'s jitted kernels may hold a trace
   monkeypatch.delenv(kernel_choice.ENV_VAR, raising=False)
   assert kernel_choice.default_backend() == "xla"
   monkeypatch.setenv(kernel_choice.ENV_VAR, "pallas")
   assert kernel_choice.default_backend() == "pallas"
-  v, s = Q.quantize(_data(256, specials=False), 8, BLOCK)
-  _assert_same(v, Q.quantize(_data(256, specials=False), 8, BLOCK, backend="xla")[0])
+  v, s = quantization.quantize(_data(256, specials=False), 8, BLOCK)
+  _assert_same(v, quantization.quantize(_data(256, specials=False), 8, BLOCK, backend="xla")[0])
 
 
 def test_triton_on_cpu_raises_clear_error():
@@ -256,16 +281,17 @@ def test_dequant_sum_equals_unfused(bits):
 
 
 def test_pallas_multi_step_grids(monkeypatch):
-  """Small tiles: every kernel runs a grid of many steps, exercising its index maps."""
+  """Small tiles: every kernel runs a grid of many steps, exercising its index maps. Eager calls: the tile
+  is read while tracing, and `Q`'s jitted kernels may hold a trace of the default tile."""
   from pallas_kernels import block_quant
   monkeypatch.setattr(block_quant, "_INTERPRET_TILE", 2 * BLOCK)
   v, s = _slabs(G, 4, shape=(2, 8 * BLOCK), seed=9)
   x = _data(N * G * 4 * BLOCK, seed=10)
   for backend in ("xla", "pallas"):
-    got = (Q.quantize(x, 4, BLOCK, backend=backend),
-           Q.reorder_quantize(x, N, G, 8, BLOCK, stages=2, backend=backend),
-           Q.dequant_sum_quantize(v, s, 4, BLOCK, out_bits=8, backend=backend),
-           Q.dequant_sum(v, s, 4, BLOCK, backend=backend))
+    got = (quantization.quantize(x, 4, BLOCK, backend=backend),
+           quantization.reorder_quantize(x, N, G, 8, BLOCK, stages=2, backend=backend),
+           quantization.dequant_sum_quantize(v, s, 4, BLOCK, out_bits=8, backend=backend),
+           quantization.dequant_sum(v, s, 4, BLOCK, backend=backend))
     if backend == "xla":
       ref = got
   chex.assert_trees_all_equal_shapes_and_dtypes(got, ref)
