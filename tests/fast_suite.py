@@ -8,6 +8,9 @@ marks them `slow` at collection. A test listed here that no longer exists fails 
 (`tests/test_fast_suite.py`).
 """
 MOVED = frozenset({
+    "tests/test_stateful.py::test_a_second_in_backward_component_coexists_with_error_feedback[True]",
+    "tests/test_offload_stream.py::test_one_device_keeps_the_gradients_16bit_until_each_chunk_widens_them",
+    "tests/test_offload_stream.py::test_16bit_weights_kept_on_the_device_train_bitwise[dp]",
     "tests/test_size_one_axes.py::test_one_device_keeps_16bit_gradients[zero3]",
     "tests/test_offload_stream.py::test_streamed_layers_of_any_count_train_bitwise_what_the_device_trains[1]",
     "tests/test_stateful.py::test_a_second_in_backward_component_coexists_with_error_feedback[False]",
