@@ -32,6 +32,9 @@ EXPERIMENTS = [
      "convergence_diloco_f4.json"),
     ("diloco_mics", "diloco.lr=0.8 (no momentum)", "convergence_diloco_lr0.8.json"),
     ("diloco_mics", "diloco.lr=0.6 (no momentum)", "convergence_diloco_lr0.6.json"),
+    ("mics_radius", "radius.scope='model': top-k over each shard's whole model (every leaf and layer at once, "
+     "the paper's flattened gradient on each A_os shard) instead of per leaf; an experiment never merged, "
+     "benchmarks/history/radius_model_topk.patch on f2cb8f5", "convergence_radius_model_topk.json"),
 ]
 
 

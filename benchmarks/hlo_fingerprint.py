@@ -4,6 +4,8 @@ number compiles the same programs.
     python benchmarks/hlo_fingerprint.py --out before.json        # at the old commit
     python benchmarks/hlo_fingerprint.py --out after.json         # at the new one
     python benchmarks/hlo_fingerprint.py --compare before.json after.json
+    python benchmarks/hlo_fingerprint.py --compare_dumps BEFORE_DIR AFTER_DIR
+        # the compile-only H100 programs that `bench_gpu_compile.py --dump_hlo DIR` wrote at each commit
 
 Each config is built as tests/test_golden.py builds it (`tests/golden_configs.py`: tiny model, 2 x 4 CPU
 devices); every program it runs (one per phase) is compiled and its optimized HLO reduced to its
@@ -69,11 +71,28 @@ def compare(a: dict, b: dict) -> dict:
           "lines": sum(v["lines"] for c in a.values() for v in c.values())}
 
 
+def of_dumps(folder: str) -> dict:
+  """Fingerprints of the `<config>.hlo` programs in a folder (`bench_gpu_compile.py --dump_hlo`)."""
+  out = {}
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".hlo"):
+      with open(os.path.join(folder, name)) as f:
+        text = normalize(f.read())
+      out[name[:-len(".hlo")]] = {"program": {"sha256": hashlib.sha256(text.encode()).hexdigest(),
+                                              "lines": len(text.splitlines())}}
+  return out
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", help="write the fingerprints here")
   ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two fingerprint files")
+  ap.add_argument("--compare_dumps", nargs=2, metavar=("BEFORE_DIR", "AFTER_DIR"),
+                  help="compare two folders of dumped programs (bench_gpu_compile.py --dump_hlo)")
   args = ap.parse_args()
+  if args.compare_dumps:
+    print(json.dumps(compare(*(of_dumps(d) for d in args.compare_dumps)), indent=1))
+    return
   if args.compare:
     a, b = (json.load(open(p)) for p in args.compare)
     print(json.dumps(compare(a, b), indent=1))
