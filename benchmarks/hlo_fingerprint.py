@@ -71,13 +71,73 @@ def compare(a: dict, b: dict) -> dict:
           "lines": sum(v["lines"] for c in a.values() for v in c.values())}
 
 
+KERNEL_IR = re.compile(r'ir = "((?:[^"\\]|\\.)*)"')
+
+
+def _unescape(s: str) -> bytes:
+  """An HLO text's string escapes (`\\XX` hex bytes, `\\\\`, `\\"`, `\\n`, `\\t`) back to bytes."""
+  out, i = bytearray(), 0
+  while i < len(s):
+    if s[i] != "\\":
+      out += s[i].encode()
+      i += 1
+    elif s[i + 1] in '\\"nt':
+      out.append({"n": 10, "t": 9}.get(s[i + 1], ord(s[i + 1])))
+      i += 2
+    else:
+      out.append(int(s[i + 1:i + 3], 16))
+      i += 3
+  return bytes(out)
+
+
+def _without_locations(asm: str) -> str:
+  """MLIR assembly with every `loc(...)` (nested call sites included) cut to `loc(?)`, every source path to `?.py`."""
+  out, i = [], 0
+  while (j := asm.find("loc(", i)) >= 0:
+    out.append(asm[i:j] + "loc(?)")
+    depth, k, quoted = 0, j + 3, False
+    while True:
+      c = asm[k]
+      if c == '"' and asm[k - 1] != "\\":
+        quoted = not quoted
+      elif not quoted and c in "()":
+        depth += 1 if c == "(" else -1
+        if depth == 0:
+          break
+      k += 1
+    i = k + 1
+  return re.sub(r'"[^"]*\.py"', '"?.py"', "".join(out) + asm[i:])  # and bare source paths
+
+
+def without_kernel_locations(text: str) -> str:
+  """Each Triton kernel's serialized MLIR (a Pallas kernel compiled for GPUs) replaced by a hash of its
+  operations without source locations: the bytecode carries the file paths and line numbers of the code
+  that traced it, which move with any edit or checkout path while the kernel stays the same."""
+  from jaxlib.mlir import ir
+
+  def kernel(m):
+    try:
+      with ir.Context() as ctx:
+        ctx.allow_unregistered_dialects = True
+        asm = ir.Module.parse(_unescape(m.group(1))).operation.get_asm(enable_debug_info=False)
+    except ir.MLIRError:  # some kernels' bytecode does not read back without Triton's dialects
+      UNREAD.append(len(m.group(1)))
+      return 'ir = "unread"'
+    return 'ir = "sha256:' + hashlib.sha256(_without_locations(asm).encode()).hexdigest() + '"'
+  return KERNEL_IR.sub(kernel, text)
+
+
+UNREAD: list[int] = []  # kernels compared by their launch settings only (`without_kernel_locations`)
+
+
 def of_dumps(folder: str) -> dict:
-  """Fingerprints of the `<config>.hlo` programs in a folder (`bench_gpu_compile.py --dump_hlo`)."""
+  """Fingerprints of the `<config>.hlo` programs in a folder (`bench_gpu_compile.py --dump_hlo`), each
+  Triton kernel compared without its source locations (`without_kernel_locations`)."""
   out = {}
   for name in sorted(os.listdir(folder)):
     if name.endswith(".hlo"):
       with open(os.path.join(folder, name)) as f:
-        text = normalize(f.read())
+        text = normalize(without_kernel_locations(f.read()))
       out[name[:-len(".hlo")]] = {"program": {"sha256": hashlib.sha256(text.encode()).hexdigest(),
                                               "lines": len(text.splitlines())}}
   return out
@@ -91,7 +151,8 @@ def main() -> None:
                   help="compare two folders of dumped programs (bench_gpu_compile.py --dump_hlo)")
   args = ap.parse_args()
   if args.compare_dumps:
-    print(json.dumps(compare(*(of_dumps(d) for d in args.compare_dumps)), indent=1))
+    result = compare(*(of_dumps(d) for d in args.compare_dumps))
+    print(json.dumps({**result, "kernels_compared_by_launch_settings_only": len(UNREAD)}, indent=1))
     return
   if args.compare:
     a, b = (json.load(open(p)) for p in args.compare)
