@@ -1,9 +1,11 @@
 """The fast default suite's time budget: five minutes from a cold cache on 2 cores (README, "Tests").
 
-These tests, the slowest measured there (`pytest --durations=0`, 2026-11-26, 2 cores, compilation cache
-off), run only in the full suite (`pytest -m ""`, what CI runs): each plan and feature they check keeps a
-cheaper real check in the fast suite (e.g. `test_plan_matches_single_device_grad[zero3]` stays, the other
-plans' run in the full suite; the float8 gather keeps its gradient bound, its byte count moves). `conftest.py`
+These tests, the slowest measured there (`pytest --durations=0` and `-p tests.compile_profile`, 2026-11-26
+and 2026-12-02, 2 cores, a cold compilation cache), run only in the full suite (`pytest -m ""`, what CI
+runs): each plan and technique they check keeps a cheaper real check in the fast suite (e.g.
+`test_plan_matches_single_device_grad[zero3]` stays, the other plans' run in the full suite; the float8
+gather keeps its gradient bound, its byte count moves; the streamed offload keeps `dp[off0]`, its 16-bit
+variants move). `conftest.py`
 marks them `slow` at collection. A test listed here that no longer exists fails the run
 (`tests/test_fast_suite.py`).
 """
