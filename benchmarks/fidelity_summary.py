@@ -35,6 +35,8 @@ EXPERIMENTS = [
     ("mics_radius", "radius.scope='model': top-k over each shard's whole model (every leaf and layer at once, "
      "the paper's flattened gradient on each A_os shard) instead of per leaf; an experiment never merged, "
      "benchmarks/history/radius_model_topk.patch on f2cb8f5", "convergence_radius_model_topk.json"),
+    ("mics_radius", "radius.scope='model' and radius.period=50: the two best changes together (the same patch)",
+     "convergence_radius_model_topk_period50.json"),
     # H = 50: the goal is set at H = 10 only; these say which outer lr a run with H = 50 should take
     ("diloco_mics", "diloco.every=50 (H = 50) at the shipped outer lr 0.6", "convergence_diloco_h50.json", None),
     ("diloco_mics", "diloco.every=50, diloco.lr=1.0", "convergence_diloco_h50_lr1.0.json", None),
