@@ -54,7 +54,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from common import error_text  # noqa: E402
+from common import error_text, git  # noqa: E402
 
 # The dense references: a plan's own layout with nothing compressed.
 REFERENCES = {
@@ -129,13 +129,6 @@ def wire_bytes(spec: list[str], params: int) -> dict:
     grad_x = (NODES - 1) / NODES * params / GPUS * fmt(g_bits[1])
     grad = hop1 + grad_x
   return {"total_MB": (fwd + bwd + grad) / 1e6, "cross_node_MB": (fwd_x + bwd_x + grad_x) / 1e6}
-
-
-def _git(*args) -> str | None:
-  try:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None
 
 
 def _operative(config: str, name: str) -> int | str | None:
@@ -295,11 +288,11 @@ def main(argv=None) -> dict:
     ap.error(f"unknown plans {unknown}; choose from {sorted(PLANS)} or a group {sorted(GROUPS)}")
   refs = list(dict.fromkeys(PLANS[p][0] for p in plans))
   seeds = list(range(args.seeds))
-  commit = _git("rev-parse", "HEAD")
+  commit = git("rev-parse", "HEAD")
   import jax  # only its version: the runs are their own processes
   out = {"benchmark": "convergence", "argv": sys.argv[1:] if argv is None else list(argv),
          "started": datetime.datetime.now().isoformat(timespec="seconds"),
-         "git_commit": commit, "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+         "git_commit": commit, "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
          "jax": jax.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
          "steps": args.steps, "seeds": seeds,
          "settings": {"model": "configs/base.gin (4-layer byte-level GPT, d_model 128, 4 heads)",

@@ -1,11 +1,11 @@
 """Variants of one gin config side by side on the emulated cluster: step time and cross-node bytes.
 
 Each variant is the config plus its own gin params. Every repetition runs each variant once as a whole
-`cluster.py` run (its own processes and links), the variants in the given order on even repetitions and
-reversed on odd ones, so a slow phase of the shared machine falls on every variant alike. Per variant:
+`cluster.py` run (its own processes and links), in `common.interleaved`'s alternating order, so a slow
+phase of the shared machine falls on every variant alike. Per variant:
 the median step time over the repetitions with its min and max, the cross-node payload bytes per step per
-node, and per repetition its step time over the first variant's (median, min, max). A run that fails is
-recorded with its error and the benchmark goes on; the JSON is rewritten after every run.
+node, and per repetition its step time over the first variant's (median, min, max). A variant whose run fails is
+recorded with its error and left out of the later repetitions; the JSON is rewritten after every run.
 
   sudo python benchmarks/cluster_variants.py --gin_file configs/zeropp_int4.gin \\
       --variant "blocks 256=zeropp.weight_block=256" --variant "blocks 64=zeropp.weight_block=64" \\
@@ -17,78 +17,67 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from common import error_text  # noqa: E402
+import cluster  # noqa: E402
+from common import error_text, git, interleaved, spread  # noqa: E402
 
 
-def spread(xs: list[float]) -> dict | None:
-  return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else None
-
-
-def run(args, params: list[str]) -> dict:
-  cmd = [sys.executable, os.path.join(HERE, "cluster.py"), f"--gin_file={args.gin_file}", f"--rate={args.rate}",
-         f"--steps={args.steps}", f"--nodes={args.nodes}", f"--devices={args.devices}",
-         *[f"--gin_param={p}" for p in params]]
-  r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
-  if r.returncode:
-    raise RuntimeError(f"cluster.py exit {r.returncode}: " + r.stderr.strip()[-600:])
-  out = json.loads(r.stdout)
+def run(cluster_argv: list[str], params: list[str]) -> dict:
+  """One `cluster.py` run of the config with a variant's gin params: its step time and bytes."""
+  out = cluster.run(cluster.parser().parse_args(cluster_argv + [f"--gin_param={p}" for p in params]))
   return {"step_s": out["median_step_time_s"],
           "cross_node_payload_bytes_per_step_per_node": out["cross_node_payload_bytes_per_step_per_node"]}
 
 
 def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--gin_file", required=True)
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                               epilog="Every other option goes to cluster.py (--gin_file, --rate, --steps, --nodes, ...).")
   ap.add_argument("--variant", action="append", required=True, help="NAME=GIN_PARAM[;GIN_PARAM...]")
-  ap.add_argument("--rate", default="100mbit")
-  ap.add_argument("--steps", type=int, default=12)
-  ap.add_argument("--nodes", type=int, default=2)
-  ap.add_argument("--devices", type=int, default=4)
   ap.add_argument("--reps", type=int, default=3)
-  ap.add_argument("--timeout", type=float, default=1800)
   ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
-  variants = {}
-  for v in args.variant:
-    name, _, params = v.partition("=")
-    variants[name] = [p for p in params.split(";") if p]
+  args, cluster_argv = ap.parse_known_args(argv)
+  bad = [v for v in args.variant if "=" not in v]
+  if bad:
+    ap.error(f"--variant {bad[0]!r} has no '='; write NAME=GIN_PARAM[;GIN_PARAM...], e.g. "
+             "'blocks 64=zeropp.weight_block=64'")
+  settings = cluster.parser().parse_args(cluster_argv)  # cluster.py's own errors, before any run
+  variants = {name: [p for p in params.split(";") if p]
+              for name, _, params in (v.partition("=") for v in args.variant)}
   names = list(variants)
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-  out = {"benchmark": "cluster_variants", "argv": sys.argv[1:], "started": datetime.datetime.now().isoformat(),
-         "git_commit": commit, "gin_file": args.gin_file, "variants": variants, "rate": args.rate,
-         "steps": args.steps, "mesh": {"node": args.nodes, "gpu": args.devices}, "runs": [], "errors": []}
-  for rep in range(args.reps):
-    for name in (names if rep % 2 == 0 else names[::-1]):
-      print(f"rep {rep + 1}/{args.reps}: {name} ...", file=sys.stderr, flush=True)
-      try:
-        out["runs"].append({"rep": rep, "variant": name, **run(args, variants[name])})
-      except Exception as e:  # recorded; the benchmark goes on
-        out["errors"].append({"rep": rep, "variant": name, "error": error_text(e)})
-      out["results"] = summarize(out["runs"], names)
-      if args.out:
-        with open(args.out, "w") as f:
-          json.dump(out, f, indent=1)
-  print(json.dumps(out["results"], indent=1))
+  out = {"benchmark": "cluster_variants", "argv": sys.argv[1:] if argv is None else argv,
+         "started": datetime.datetime.now().isoformat(), "git_commit": git("rev-parse", "HEAD"),
+         "gin_file": settings.gin_file, "variants": variants, "rate": settings.rate, "steps": settings.steps,
+         "mesh": {"node": settings.nodes, "gpu": settings.devices}, "runs": [], "errors": []}
+  rep = {"r": 0}
+
+  def record(name, _, row):  # the cluster's own step time and bytes (interleaved's wall times are not used)
+    out["runs"].append({"rep": rep["r"], "variant": name, **row})
+    out["results"] = summarize(out["runs"], names)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+  interleaved({name: (lambda _, name=name: run(cluster_argv, variants[name])) for name in names}, args.reps,
+              before=lambda r: rep.update(r=r), after=record,
+              on_error=lambda name, e: out["errors"].append({"rep": rep["r"], "variant": name, "error": error_text(e)}))
+  print(json.dumps(out.get("results"), indent=1))
   return out
 
 
 def summarize(runs: list[dict], names: list[str]) -> dict:
   by = {(r["rep"], r["variant"]): r for r in runs}
+  of = lambda xs: spread(xs) if xs else None
   res = {}
   for name in names:
     mine = [r for r in runs if r["variant"] == name]
     ratio = [r["step_s"] / by[(r["rep"], names[0])]["step_s"] for r in mine if (r["rep"], names[0]) in by]
-    res[name] = {"step_s": spread([r["step_s"] for r in mine]),
-                 "cross_node_payload_MB_per_step_per_node": spread(
+    res[name] = {"step_s": of([r["step_s"] for r in mine]),
+                 "cross_node_payload_MB_per_step_per_node": of(
                      [r["cross_node_payload_bytes_per_step_per_node"] / 1e6 for r in mine]),
-                 f"step_over_{names[0]}": spread(ratio), "n": len(mine)}
+                 f"step_over_{names[0]}": of(ratio), "n": len(mine)}
   return res
 
 

@@ -1,5 +1,6 @@
 """What the benchmarks share: timing in interleaved repetitions, the spread of repeated figures, an error as
-a report records it, a section of benchmarks/RESULTS.md written again, and a result printed and saved. (The
+a report records it, the repository's git state, a section of benchmarks/RESULTS.md written again, and a
+result printed and saved. (The
 bytes of a compiled program are `zerojax.gpu_aot.memory`.)"""
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import json
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def spread(values) -> dict:
@@ -69,6 +73,14 @@ def interleaved(fns: dict, reps: int, steps: int = 1, warmup: int = 0, order: st
       if r >= 0:
         times[name].append(statistics.median(ts))
   return times
+
+
+def git(*args, cwd: str = ROOT) -> str | None:
+  """`git ARGS` in the repository (stdout stripped), or None where git or the repository is missing."""
+  try:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
 
 
 def error_text(e: BaseException, limit: int = 600) -> str:

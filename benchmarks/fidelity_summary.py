@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_convergence import PARAMS, wire_bytes  # noqa: E402
 BASE = "convergence.json"
-# (plan, the change, the result file under benchmarks/); the goal is the plan's mean gap in percent
+# (plan, the change, the result file under benchmarks/[, its goal]); a goal is a mean gap in percent
 GOALS = {"zeropp_int4": 0.5, "mics_radius": 1.5, "diloco_mics": 2.0}
 EXPERIMENTS = [
     ("mics_radius", "radius.dense_steps=60 (dense for 20% of the 300 steps)", "convergence_radius_dense60.json"),

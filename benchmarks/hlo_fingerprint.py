@@ -57,11 +57,16 @@ def fingerprints() -> dict:
     phases = ["dense"] + list(next((c.phases for c in ex.stateful.values() if getattr(c, "phases", ())), ()))
     out[config] = {}
     for phase in phases:
-      text = normalize(ex.step_fn().lower(state, batch, phase=phase).compile().as_text())
-      out[config][phase] = {"sha256": hashlib.sha256(text.encode()).hexdigest(), "lines": len(text.splitlines())}
+      out[config][phase] = fingerprint(ex.step_fn().lower(state, batch, phase=phase).compile().as_text())
     gin.clear_config()
     print(config, {p: v["sha256"][:12] for p, v in out[config].items()}, file=sys.stderr, flush=True)
   return out
+
+
+def fingerprint(text: str) -> dict:
+  """A program's hash and instruction lines, after `normalize`."""
+  text = normalize(text)
+  return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "lines": len(text.splitlines())}
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -109,11 +114,14 @@ def _without_locations(asm: str) -> str:
   return re.sub(r'"[^"]*\.py"', '"?.py"', "".join(out) + asm[i:])  # and bare source paths
 
 
-def without_kernel_locations(text: str) -> str:
+def without_kernel_locations(text: str) -> tuple[str, int]:
   """Each Triton kernel's serialized MLIR (a Pallas kernel compiled for GPUs) replaced by a hash of its
   operations without source locations: the bytecode carries the file paths and line numbers of the code
-  that traced it, which move with any edit or checkout path while the kernel stays the same."""
+  that traced it, which move with any edit or checkout path while the kernel stays the same. Returns the
+  text and how many kernels did not read back without Triton's dialects (those keep only their name,
+  grid and launch settings)."""
   from jaxlib.mlir import ir
+  unread = []
 
   def kernel(m):
     try:
@@ -121,26 +129,22 @@ def without_kernel_locations(text: str) -> str:
         ctx.allow_unregistered_dialects = True
         asm = ir.Module.parse(_unescape(m.group(1))).operation.get_asm(enable_debug_info=False)
     except ir.MLIRError:  # some kernels' bytecode does not read back without Triton's dialects
-      UNREAD.append(len(m.group(1)))
+      unread.append(m)
       return 'ir = "unread"'
     return 'ir = "sha256:' + hashlib.sha256(_without_locations(asm).encode()).hexdigest() + '"'
-  return KERNEL_IR.sub(kernel, text)
+  return KERNEL_IR.sub(kernel, text), len(unread)
 
 
-UNREAD: list[int] = []  # kernels compared by their launch settings only (`without_kernel_locations`)
-
-
-def of_dumps(folder: str) -> dict:
+def of_dumps(folder: str) -> tuple[dict, int]:
   """Fingerprints of the `<config>.hlo` programs in a folder (`bench_gpu_compile.py --dump_hlo`), each
-  Triton kernel compared without its source locations (`without_kernel_locations`)."""
-  out = {}
+  Triton kernel compared without its source locations, and how many kernels did not read back."""
+  out, unread = {}, 0
   for name in sorted(os.listdir(folder)):
     if name.endswith(".hlo"):
       with open(os.path.join(folder, name)) as f:
-        text = normalize(without_kernel_locations(f.read()))
-      out[name[:-len(".hlo")]] = {"program": {"sha256": hashlib.sha256(text.encode()).hexdigest(),
-                                              "lines": len(text.splitlines())}}
-  return out
+        text, n = without_kernel_locations(f.read())
+      out[name[:-len(".hlo")]], unread = {"program": fingerprint(text)}, unread + n
+  return out, unread
 
 
 def main() -> None:
@@ -151,8 +155,11 @@ def main() -> None:
                   help="compare two folders of dumped programs (bench_gpu_compile.py --dump_hlo)")
   args = ap.parse_args()
   if args.compare_dumps:
-    result = compare(*(of_dumps(d) for d in args.compare_dumps))
-    print(json.dumps({**result, "kernels_compared_by_launch_settings_only": len(UNREAD)}, indent=1))
+    missing = [d for d in args.compare_dumps if not os.path.isdir(d)]
+    if missing:
+      raise SystemExit(f"hlo_fingerprint: no folder {missing[0]}; give the DIR of bench_gpu_compile.py --dump_hlo DIR")
+    (a, unread_a), (b, unread_b) = (of_dumps(d) for d in args.compare_dumps)
+    print(json.dumps({**compare(a, b), "kernels_compared_by_launch_settings_only": unread_a + unread_b}, indent=1))
     return
   if args.compare:
     a, b = (json.load(open(p)) for p in args.compare)

@@ -202,6 +202,7 @@ def dump_programs(out_dir: str, gin_file: str, params: list[str], nodes: int, ru
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   build = getattr(account, "gin_executor", None) or getattr(account, "_gin_executor")
   ex, targs, _ = build([gin_file], params, nodes)
+  ex = getattr(ex, "executor", ex)  # gin_executor returns the trainer's `Built` since d49fd22
   seq = gin.query_parameter("model_config.seq_len")
   shape = (targs["accum_steps"], targs["batch_size"], seq + 1)
   rng = np.random.default_rng(0)

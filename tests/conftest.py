@@ -19,21 +19,11 @@ if os.environ.get("ZEROJAX_TEST_CACHE", "1") == "1":
 import pytest  # noqa: E402
 
 
-# The fast suite's CPU programs are compiled with LLVM's optimizations off: XLA's own passes (fusion, sharding,
-# collective scheduling, the programs the tests read) are unchanged, and the cold suite fell from 512 s to 395 s
-# with it (docs/testing.md, "Keeping the fast suite fast"). The full suite (`-m ""`, what CI runs) compiles as users do, which the bitwise
-# golden values need (`tests/test_golden.py` records the level in its environment).
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-
-
 def pytest_configure(config):
   # Before any backend starts (test modules are imported later); train.py subprocesses inherit it.
   markexpr = config.getoption("markexpr", "")
   os.environ["JAX_PLATFORMS"] = platforms.choose(os.environ, markexpr)
-  flags = os.environ.get("XLA_FLAGS", "")
-  if (markexpr == "not slow" and os.environ["JAX_PLATFORMS"] == "cpu" and "optimization_level" not in flags
-      and os.environ.get("ZEROJAX_TEST_FAST_COMPILE", "1") == "1"):
-    os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE}".strip()
+  os.environ["XLA_FLAGS"] = platforms.xla_flags(os.environ, markexpr, os.environ["JAX_PLATFORMS"])
   import jax
   jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
   jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -30,3 +30,20 @@ def choose(environ: dict, markexpr: str, gpu_present: bool | None = None) -> str
     return environ["JAX_PLATFORMS"]
   present = has_nvidia_driver() if gpu_present is None else gpu_present
   return GPU if selects_gpu(markexpr) and present else CPU
+
+
+# The fast suite's CPU programs are compiled with LLVM's optimizations off: XLA's own passes (fusion, sharding,
+# collective scheduling, the programs the tests read) are unchanged, and the cold suite fell from 512 s to 395 s
+# with it (docs/testing.md, "Keeping the fast suite fast"). The full suite (`-m ""`, what CI runs) compiles as
+# users do, which the bitwise golden values need (`tests/test_golden.py` records the level in its environment).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(environ: dict, markexpr: str, platforms: str) -> str:
+  """XLA_FLAGS for a pytest run: `FAST_COMPILE` added for the fast suite (`-m "not slow"`, pyproject's default)
+  on CPU, unless the flags already set a level or ZEROJAX_TEST_FAST_COMPILE=0."""
+  flags = environ.get("XLA_FLAGS", "")
+  if (markexpr == "not slow" and platforms == CPU and "optimization_level" not in flags
+      and environ.get("ZEROJAX_TEST_FAST_COMPILE", "1") == "1"):
+    return f"{flags} {FAST_COMPILE}".strip()
+  return flags

@@ -33,13 +33,6 @@ def flat_numpy(tree) -> dict:
           for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def assert_bitwise_equal(got: dict, want: dict):
-  assert set(got) == set(want)
-  for k in want:
-    assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
-    np.testing.assert_array_equal(got[k], want[k], err_msg=k, strict=True)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   """A ZeRO-3 state on 2 nodes x 4 devices after 2 adamw steps, its logical arrays and checkpoint folder."""
@@ -68,7 +61,7 @@ def test_restore_onto_other_mesh_and_plan(saved, target):
   state, meta = restore(ex, path)
   assert meta["seed"] == 7 and meta["step"] == STEPS and meta["plan"] == "zero3"
   assert int(state.step) == STEPS and int(state.skipped) == 0
-  assert_bitwise_equal(flat_numpy(state_spec.logical_state(ex, state)), want)
+  helpers.assert_trees_identical(flat_numpy(state_spec.logical_state(ex, state)), want)
   assert jax.tree.map(lambda x: x.sharding, state) == ex.shardings()
 
 
@@ -211,7 +204,7 @@ def test_two_processes_save_and_restore(saved, tmp_path):
     target = make_executor(plan, mesh)
     state, meta = restore(target, str(tmp_path / "multi"))
     assert meta["process_count"] == 2 and meta["mesh"] == {"node": 2, "gpu": 4}
-    assert_bitwise_equal(flat_numpy(state_spec.logical_state(target, state)), want)
+    helpers.assert_trees_identical(flat_numpy(state_spec.logical_state(target, state)), want)
 
 
 # -- train.py: kill, restart, compare ---------------------------------------------------------------

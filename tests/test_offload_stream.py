@@ -110,7 +110,7 @@ def test_flax_model_streamed_offload_trains_bitwise_what_the_device_trains():
 
 def test_one_device_keeps_the_gradients_16bit_until_each_chunk_widens_them():
   """One device, one micro-step, bf16: nothing reduces the gradients, so they stay bf16 out of the backward and
-  the streamed update widens each chunk's (`StreamedUpdate.wide`) instead of the step widening all of them:
+  the streamed update widens each chunk's (`Update.wide`, `zerojax/executor/update.py`) instead of the step widening all of them:
   bitwise the step without offload, whose step widens them at once."""
   mesh = zerojax.make_mesh(1, 1, devices=jax.devices()[:1])
   model = gpt(dataclasses.replace(helpers.TINY, num_layers=3))

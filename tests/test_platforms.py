@@ -47,3 +47,16 @@ def test_the_gpu_kit_runs_its_gpu_tests_on_the_gpu():
 def test_this_cpu_run_is_on_cpu():
   import jax
   assert os.environ["JAX_PLATFORMS"] == "cpu" and jax.default_backend() == "cpu" and jax.device_count() == 8
+
+
+@pytest.mark.parametrize("environ, markexpr, platforms_, fast", [
+    ({}, "not slow", "cpu", True),                                               # the fast suite on CPU
+    ({}, "", "cpu", False),                                                      # the full suite: as users compile
+    ({}, "not slow", "cuda,cpu", False),                                         # a GPU run
+    ({"XLA_FLAGS": "--xla_backend_optimization_level=2"}, "not slow", "cpu", False),  # the caller's level wins
+    ({"ZEROJAX_TEST_FAST_COMPILE": "0"}, "not slow", "cpu", False)])
+def test_the_fast_suite_alone_compiles_without_llvm_optimizations(environ, markexpr, platforms_, fast):
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", **environ}
+  flags = platforms.xla_flags(env, markexpr, platforms_)
+  assert (platforms.FAST_COMPILE in flags) == fast
+  assert flags.startswith(env["XLA_FLAGS"])  # nothing the caller set is dropped

@@ -7,8 +7,8 @@ inside a layer loop or not, the matmuls and kernels scheduled between its start 
 (`zerojax.analysis.schedule`); the layer loops' overlap per role; the kernels compiled; the most gathered
 weights alive at once; and the compiled per-device memory (arguments, outputs, temporaries, peak; and
 in host memory, with `offload`) beside `zerojax.executor.memory.memory_report`'s model-state bytes; the remat mode
-and why (`remat="auto"` picks by the compiled peak, `zerojax.planner.remat`); the XLA options. `--json` prints it all as JSON, `--dump_hlo FILE`
-writes the scheduled GPU program.
+and why (`remat="auto"` picks the fastest mode whose compiled peak fits, `zerojax.planner.remat`); the XLA
+options. `--json` prints it all as JSON, `--dump_hlo FILE` writes the scheduled GPU program.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def gin_executor(gin_files: list[str], gin_params: list[str], target: str, nodes
   return account.build_executor(args, nodes, devices=gpu_aot.devices(target, nodes, gpus))
 
 
-def report(ex, compiled, seconds: float, remat: dict | None = None) -> dict:
+def report(ex, compiled, seconds: float, remat: dict) -> dict:
   """The JSON-ready report of a compiled step (see the module docstring); `remat`: how remat "auto" was
   resolved (`Built.remat`)."""
   text = compiled.as_text()
@@ -53,7 +53,7 @@ def report(ex, compiled, seconds: float, remat: dict | None = None) -> dict:
       "mesh": {k: int(v) for k, v in ex.mesh.shape.items()}, "compile_s": seconds,
       "compiler_options": ex.compiler_options(),
       "compiler_options_user": gpu_aot.options_report(ex.mesh)["user"],
-      "remat": remat or {"remat": ex.components.remat, "why": "set by the plan"},
+      "remat": remat,
       "collectives": [s.to_json() for s in scheduled],
       "overlap": overlap_summary(scheduled),
       "gathered_alive": gathered_alive(text, scheduled),

@@ -135,8 +135,8 @@ def to_flat(params: dict, layout: Layout, mesh: Mesh, axes: tuple[str, ...], dty
   (`jax.make_array_from_callback`), so no device holds a whole leaf (e.g. a checkpoint read from disk);
   jax arrays are flattened by a jitted program.
   """
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(layout, axes))
   if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params)):
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(layout, axes))
     def host_leaf(x, lay, sharding):
       flat = np.asarray(x).reshape((lay.layers, lay.size) if lay.layers is not None else (lay.size,))
 

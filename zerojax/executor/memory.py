@@ -21,10 +21,10 @@ def in_flight(ex, host: int) -> int:
   (docs/offload.md) the three largest chunks' (a unit, or one layer of a scanned unit; a chunk's unit
   fetch waits on the store of the unit two before it), with the bulk fetch all of `host`, with the update
   on the host none (`HostOffload.update`, `Plan.update_mode`)."""
-  mode = ex.placement.offload.update
-  if mode == "host":
+  offload = ex.placement.offload
+  if offload.on_host:
     return 0
-  if not host or mode != "streamed":
+  if not host or offload.update != "streamed":
     return host
   chunks = []
   for name, tree in ex.layout.tree().items():

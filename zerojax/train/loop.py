@@ -95,10 +95,14 @@ class Setup(NamedTuple):
   executor was chosen (`Built`)."""
   spec: ModelSpec
   dataset: data_lib.Dataset
-  ex: Executor
   settings: dict
   allowed: set
   built: Built
+
+  @property
+  def ex(self) -> Executor:
+    """The executor (`built.executor`)."""
+    return self.built.executor
 
 
 class Start(NamedTuple):

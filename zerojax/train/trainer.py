@@ -47,6 +47,12 @@ def platform_compute_dtype(mesh) -> str:
   return "float32" if platform == "cpu" else "bfloat16"
 
 
+def platform_chooses_dtype(compute_dtype: str | None, plan) -> bool:
+  """Whether the platform picks the compute dtype (`platform_compute_dtype`): neither `train.compute_dtype`
+  nor a plan built in Python sets it (`auto()`'s candidates are built with the run's setting)."""
+  return compute_dtype is None and (isinstance(plan, planner.Auto) or plan.settings()["compute_dtype"] is None)
+
+
 def with_run_settings(plan: Plan, param_dtype: str | None = None, compute_dtype: str | None = None,
                       pad_multiple: int | None = None) -> Plan:
   """`plan` with the run's settings (`train.param_dtype`, `train.compute_dtype`, `train.pad_multiple`;
@@ -85,7 +91,7 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
                  param_dtype=param_dtype, compute_dtype=compute_dtype, batch_size=batch_size, model=model,
                  spec=spec)
   mesh = make_mesh(num_nodes or default_num_nodes(), devices=devices)
-  if compute_dtype is None and plan.settings()["compute_dtype"] is None:
+  if platform_chooses_dtype(compute_dtype, plan):
     compute_dtype = platform_compute_dtype(mesh)
   plan = with_run_settings(plan, param_dtype, compute_dtype, pad_multiple)
   cfg = spec.config
@@ -97,16 +103,15 @@ def build(plan: Plan, num_nodes: int | None = None, *, steps: int = 200, accum_s
   return Built(Executor(net, optimizer, plan, mesh, accum_steps=accum_steps), choice)
 
 
-def _auto(choice: planner.Auto, num_nodes, *, batch_size: int, **kw) -> Built:
+def _auto(choice: planner.Auto, num_nodes, **kw) -> Built:
   """Builds ZeRO-3 to read the model's units, measures the plans' compute (`auto.compute`), then builds
-  the chosen plan."""
+  the chosen plan (every build with the run's settings `kw`, its batch size included)."""
   lead = jax.process_index() == 0
-  ex = build(zero3(), num_nodes, batch_size=batch_size, **kw).executor
-  batch = np.zeros((ex.accum_steps, batch_size, kw["spec"].seq_len + 1), np.int32)
-  plan, rows = choice.plan_for(ex.mesh, planner.workload(ex),
-                               lambda p: build(p, num_nodes, batch_size=batch_size, **kw).executor, batch,
+  ex = build(zero3(), num_nodes, **kw).executor
+  batch = np.zeros((ex.accum_steps, kw["batch_size"], kw["spec"].seq_len + 1), np.int32)
+  plan, rows = choice.plan_for(ex.mesh, planner.workload(ex), lambda p: build(p, num_nodes, **kw).executor, batch,
                                log=(lambda m: print(m, flush=True)) if lead else (lambda m: None))
-  return build(plan, num_nodes, batch_size=batch_size, **kw)._replace(planner_rows=rows)
+  return build(plan, num_nodes, **kw)._replace(planner_rows=rows)
 
 
 @gin.configurable(denylist=["workdir", "data", "eval_data", "restore_from", "allow_changed", "node_copy",
@@ -252,7 +257,7 @@ def _setup(run: RunConfig) -> Setup:
   settings = config_lib.run_settings(spec.settings(), steps=run.steps, batch_size=run.batch_size,
                                      accum_steps=run.accum_steps, user_model=run.model,
                                      data=data_lib.identity(dataset))
-  return Setup(spec, dataset, ex, settings, allowed, built)
+  return Setup(spec, dataset, settings, allowed, built)
 
 
 def _resume(run: RunConfig, s: Setup, ckpt) -> tuple[Copies | None, checkpoint_lib.Resumed | None]:
@@ -315,10 +320,7 @@ def _summary(run: RunConfig, s: Setup, loop: Loop) -> dict:
   if s.built.planner_rows:
     summary["planner"] = s.built.planner_rows
   summary["remat"] = s.built.remat
-  # the platform chose the compute dtype where neither train.compute_dtype nor a plan built in Python sets it
-  chose = run.compute_dtype is None and (isinstance(run.plan, planner.Auto)
-                                         or run.plan.settings()["compute_dtype"] is None)
-  if chose:
+  if platform_chooses_dtype(run.compute_dtype, run.plan):
     summary["platform_defaults"] = {"compute_dtype": ex.plan.settings()["compute_dtype"],
                                     "platform": mesh.devices.flat[0].platform}
   if ex.prefetch_fallbacks():
