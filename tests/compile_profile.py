@@ -65,6 +65,9 @@ def main(argv=None) -> None:
         for name, (n, s) in programs.items():
           tests[test][name][0] += n
           tests[test][name][1] += s
+  if not tests:
+    raise SystemExit(f"compile_profile: no profile in {args.dir}; record one with "
+                     "`python -m pytest -q -p tests.compile_profile` (ZEROJAX_COMPILE_PROFILE names the folder)")
   total = lambda progs: sum(s for _, s in progs.values())
   count = lambda progs: sum(n for n, _ in progs.values())
   print(f"{sum(count(p) for p in tests.values())} compiles, {sum(total(p) for p in tests.values()):.1f} s, "
